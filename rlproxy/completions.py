@@ -1,0 +1,270 @@
+"""From a parsed chat request to engine jobs, and from engine tokens back to OpenAI choices.
+
+Owns: templating the prompt, token budgets, per-choice text assembly (streaming detokenization,
+stop strings, `<tool_call>` blocks turned into `tool_calls`, logprobs) and the exact token record
+of each choice. Does not own HTTP (server.py) or the model (engine.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from rlproxy import protocol
+from rlproxy.engine import Engine, Job, SamplingParams, Step
+from rlproxy.protocol import APIError, ChatRequest
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    messages: list[dict]
+    tools: list[dict] | None
+
+
+def build_prompt(tokenizer, req: ChatRequest) -> Prompt:
+    """Template the conversation exactly once; these ids are what is sampled and trained on."""
+    messages = protocol.template_messages(req)
+    tools = protocol.template_tools(req)
+    try:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    except Exception as e:  # jinja raises on conversations the template refuses
+        raise APIError(400, f"the chat template rejected these messages: {e}", param="messages")
+    return Prompt(ids=list(ids), messages=messages, tools=tools)
+
+
+def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max: int):
+    room = context - prompt_len
+    if room <= 0:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {context} tokens. However, your messages "
+            f"resulted in {prompt_len} tokens. Please reduce the length of the messages.",
+            param="messages", code="context_length_exceeded",
+        )
+    if req.max_tokens is not None and req.max_tokens > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt_len + req.max_tokens} tokens ({prompt_len} in the messages, "
+            f"{req.max_tokens} in the completion). Please reduce the length of the messages "
+            "or completion.",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    return [
+        SamplingParams(
+            max_tokens=req.max_tokens or min(default_max, room),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            # n > 1 with a seed: choice i uses seed + i, so the choices differ but replay.
+            seed=None if req.seed is None else req.seed + i,
+            top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+            logit_bias=req.logit_bias,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+        )
+        for i in range(req.n)
+    ]
+
+
+class ChoiceText:
+    """One choice's text as it streams: holds back what may be the start of a stop string or a
+    tool-call marker, cuts at the first stop string, and turns `<tool_call>{json}</tool_call>`
+    blocks into OpenAI tool calls (only when the request offered tools)."""
+
+    def __init__(self, tokenizer, stop: list[str] | None, parse_tools: bool):
+        self.tokenizer = tokenizer
+        self.detokenizer = tokenizer.detokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.tool_start = tokenizer.tool_call_start if parse_tools else None
+        self.tool_end = tokenizer.tool_call_end if parse_tools else None
+        self.pending = ""  # decoded but not yet emitted
+        self.in_tool = False
+        self.stopped = False  # a stop string matched: the choice ends here
+        self.text = ""  # all content emitted
+        self.tool_calls: list[dict] = []
+        self._markers = self.stop + ([self.tool_start] if self.tool_start else [])
+
+    def add(self, token_id: int) -> list[tuple[str, object]]:
+        """Feed one sampled token; return deltas: ("content", str) or ("tool_call", dict)."""
+        if token_id in self.tokenizer.eos_token_ids:
+            return []
+        self.detokenizer.add_token(token_id)
+        self.pending += self.detokenizer.last_segment
+        return self._drain(final=False)
+
+    def finish(self) -> list[tuple[str, object]]:
+        """The choice ended (end token or length): flush everything held back."""
+        if self.stopped:
+            return []
+        self.detokenizer.finalize()
+        self.pending += self.detokenizer.last_segment
+        out = self._drain(final=True)
+        if self.in_tool:  # an unterminated call: give the text back as it was written
+            out += self._content(self.tool_start + self.pending)
+            self.pending, self.in_tool = "", False
+        elif self.pending:
+            out += self._content(self.pending)
+            self.pending = ""
+        return out
+
+    def _content(self, text: str) -> list[tuple[str, object]]:
+        if not text:
+            return []
+        self.text += text
+        return [("content", text)]
+
+    def _drain(self, final: bool) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
+        while self.pending and not self.stopped:
+            if self.in_tool:
+                end = self.pending.find(self.tool_end)
+                if end < 0:
+                    return out
+                block, self.pending = self.pending[:end], self.pending[end + len(self.tool_end):]
+                self.in_tool = False
+                call = self._parse_tool_call(block)
+                if call is None:
+                    out += self._content(self.tool_start + block + self.tool_end)
+                else:
+                    self.tool_calls.append(call)
+                    out.append(("tool_call", call))
+                continue
+            hits = [(self.pending.find(m), m) for m in self._markers]
+            hits = [(i, m) for i, m in hits if i >= 0]
+            if hits:
+                i, marker = min(hits, key=lambda h: h[0])
+                out += self._content(self.pending[:i])
+                self.pending = self.pending[i + len(marker):]
+                if marker == self.tool_start and marker not in self.stop:
+                    self.in_tool = True
+                else:
+                    self.stopped, self.pending = True, ""
+                continue
+            keep = 0 if final else _partial_marker_len(self.pending, self._markers)
+            out += self._content(self.pending[: len(self.pending) - keep])
+            self.pending = self.pending[len(self.pending) - keep:]
+            return out
+        return out
+
+    def _parse_tool_call(self, block: str) -> dict | None:
+        try:
+            parsed = self.tokenizer.tool_parser(block, None)
+            name, arguments = parsed["name"], parsed.get("arguments", {})
+        except Exception:
+            return None
+        if not isinstance(name, str):
+            return None
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        return {"id": protocol.tool_call_id(), "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
+
+def _partial_marker_len(text: str, markers: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some marker."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+@dataclass
+class ChoiceRecord:
+    """Exactly what was sampled for one choice: what training and the records use."""
+
+    index: int
+    seed: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    adapter_versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+class EngineFailure(Exception):
+    pass
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    deltas: list[tuple[str, object]]
+    logprobs: list[dict]  # OpenAI logprob entries for the tokens in this event
+    finish_reason: str | None
+
+
+class Generation:
+    """One request's n choices running on the engine; iterate `events()` to consume them."""
+
+    def __init__(self, engine: Engine, tokenizer, prompt: Prompt, params: list[SamplingParams],
+                 req: ChatRequest):
+        self.engine, self.tokenizer, self.prompt, self.req = engine, tokenizer, prompt, req
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        parse_tools = prompt.tools is not None
+        self.texts = [ChoiceText(tokenizer, req.stop, parse_tools) for _ in params]
+        self.jobs = []
+        for i, p in enumerate(params):
+            deliver = (lambda i: lambda step: loop.call_soon_threadsafe(
+                self.queue.put_nowait, (i, step)))(i)
+            self.jobs.append(engine.submit(Job(prompt.ids, p, deliver)))
+        self.records = [ChoiceRecord(index=i, seed=j.params.seed) for i, j in enumerate(self.jobs)]
+        self.started = time.time()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+
+    def cancel(self) -> None:
+        for job, rec in zip(self.jobs, self.records):
+            if rec.finish_reason is None:
+                self.engine.cancel(job)
+
+    async def events(self):
+        remaining = len(self.jobs)
+        while remaining:
+            i, step = await self.queue.get()
+            rec, text = self.records[i], self.texts[i]
+            if rec.finish_reason is not None:
+                continue  # tokens that were in flight after a stop string matched
+            if step.error:
+                self.cancel()
+                raise EngineFailure(step.error)
+            deltas: list = []
+            entries: list = []
+            if step.token is not None:
+                if self.first_token_at is None:
+                    self.first_token_at = time.time()
+                t = step.token
+                rec.token_ids.append(t.id)
+                rec.logprobs.append(t.logprob)
+                rec.adapter_versions.append(t.adapter_version)
+                deltas = text.add(t.id)
+                if self.req.logprobs and t.id not in self.tokenizer.eos_token_ids:
+                    entries.append(self._logprob_entry(t))
+            finish = step.finish_reason
+            if text.stopped:
+                finish = "stop"
+                self.engine.cancel(self.jobs[i])
+            elif finish is not None:
+                deltas += text.finish()
+            if finish is not None:
+                if text.tool_calls and finish == "stop":
+                    finish = "tool_calls"
+                rec.finish_reason, rec.text, rec.tool_calls = finish, text.text, text.tool_calls
+                remaining -= 1
+            yield ChoiceEvent(i, deltas, entries, finish)
+        self.finished_at = time.time()
+
+    def _logprob_entry(self, t) -> dict:
+        decode = self.tokenizer.decode
+        top = [(decode([tid]), lp) for tid, lp in (t.top or [])]
+        return protocol.token_logprob(decode([t.id]), t.logprob, top)
+
+    def usage(self) -> dict:
+        return protocol.usage(len(self.prompt.ids), sum(len(r.token_ids) for r in self.records))

@@ -1,0 +1,279 @@
+"""The engine thread: owns the serving model and decodes every live request in one batch.
+
+One long-lived thread runs mlx-lm's `BatchGenerator` (continuous batching: requests join and
+leave between steps). The asyncio side talks to it only through `submit`, `cancel` and
+`publish_adapter`, which put messages in an inbox; results cross back with
+`loop.call_soon_threadsafe`. Nothing here knows HTTP, text, stop strings or sessions: the engine
+takes token ids and gives token ids with their log-probs.
+
+What a stored log-prob is: log-softmax of the model's logits at temperature 1 (after logit_bias
+and penalties when a request asks for them), *before* temperature and top_p. Sampling then
+applies temperature first and top_p second, in OpenAI's order (mlx-lm's own sampler filters
+top_p before temperature). Training recomputes the same temperature-1 quantity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.sample_utils import apply_top_p, make_logits_processors
+
+log = logging.getLogger("rlproxy.engine")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed, reported back so the run can be redone
+    top_logprobs: int = 0
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass
+class Token:
+    id: int
+    logprob: float
+    adapter_version: int
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Step:
+    """What one request got from one engine step: a token, maybe the end, maybe an error."""
+
+    token: Token | None = None
+    finish_reason: str | None = None  # "stop" (end token) | "length" | "error"
+    error: str | None = None
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    deliver: Callable[[Step], None]  # called on the engine thread; must be thread-safe
+    uid: int | None = None
+    done: bool = False
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+
+def make_sampler(temperature: float, top_p: float, seed: int):
+    """A per-request sampler with its own PRNG key: the same seed gives the same tokens."""
+    if temperature == 0:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+    key = mx.random.key(seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, sub = mx.random.split(key)
+        scaled = logprobs * (1.0 / temperature)
+        if top_p < 1.0:
+            scaled = apply_top_p(scaled - mx.logsumexp(scaled, axis=-1, keepdims=True), top_p)
+        return mx.random.categorical(scaled, key=sub)
+
+    return sample
+
+
+class Engine:
+    """The serving model's only user. Thread-safe entry points: submit, cancel, publish_adapter."""
+
+    def __init__(self, model: nn.Module, eos_token_ids, *, max_batch: int = 16,
+                 prefill_step_size: int = 2048):
+        self.model = model
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.max_batch = max_batch
+        self.prefill_step_size = prefill_step_size
+        self.adapter_version = 0
+        self.error: str | None = None  # set if the thread died; /healthz reports it
+        self.stats = {"requests": 0, "tokens": 0, "steps": 0, "swaps": 0, "last_swap_ms": 0.0}
+        self._inbox: deque = deque()
+        self._wake = threading.Event()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    # ---- entry points (any thread) ----
+
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="rlproxy-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._running = False
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, job: Job) -> Job:
+        if job.params.seed is None:
+            job.params.seed = secrets.randbits(63)
+        self._inbox.append(("submit", job))
+        self._wake.set()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        self._inbox.append(("cancel", job))
+        self._wake.set()
+
+    def publish_adapter(self, weights: dict[str, mx.array], version: int) -> None:
+        """Hand over an *evaluated* adapter; it is applied between two decode steps."""
+        self._inbox.append(("adapter", (weights, version)))
+        self._wake.set()
+
+    # ---- the thread ----
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # surfaced on /healthz; the server keeps answering
+            log.exception("engine thread died")
+            self.error = f"{type(e).__name__}: {e}"
+            self._fail_all(self.error)
+        finally:
+            # Free MLX objects on the thread that made them: destroying them at interpreter
+            # exit from another thread aborts the process.
+            self._fail_all("the engine stopped")
+            if getattr(self, "_gen", None) is not None:
+                self._gen.close()
+                self._gen = None
+            gc.collect()  # drop per-request samplers (lazy PRNG keys) here, not at exit
+            mx.synchronize()
+
+    def _new_generator(self) -> BatchGenerator:
+        # The stream is made on this thread: MLX streams are per thread.
+        return BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in self.eos_token_ids],
+            completion_batch_size=self.max_batch,
+            prefill_batch_size=min(8, self.max_batch),
+            prefill_step_size=self.prefill_step_size,
+            stream=mx.new_stream(mx.default_device()),
+        )
+
+    def _loop(self) -> None:
+        self._gen = self._new_generator()
+        self._jobs: dict[int, Job] = {}
+        # A token returned by a step was sampled from logits of the previous step's forward
+        # pass (BatchGenerator pipelines one step ahead), so it carries that step's version.
+        previous_version = self.adapter_version
+        while self._running:
+            self._drain_inbox()
+            if not self._jobs:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                previous_version = self.adapter_version
+                continue
+            try:
+                _, responses = self._gen.next()
+            except Exception as e:  # one bad batch fails its requests, not the server
+                log.exception("decode step failed")
+                self._fail_all(f"{type(e).__name__}: {e}")
+                self._gen = self._new_generator()
+                continue
+            self.stats["steps"] += 1
+            if responses:
+                self._deliver(responses, previous_version)
+            previous_version = self.adapter_version
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "submit":
+                self._insert(payload)
+            elif kind == "cancel":
+                job = payload
+                if job.uid is not None and job.uid in self._jobs:
+                    self._gen.remove([job.uid])
+                    del self._jobs[job.uid]
+                job.done = True
+            elif kind == "adapter":
+                weights, version = payload
+                tic = time.perf_counter()
+                self.model.update(_unflatten(weights))
+                self.adapter_version = version
+                self.stats["swaps"] += 1
+                self.stats["last_swap_ms"] = (time.perf_counter() - tic) * 1000
+
+    def _insert(self, job: Job) -> None:
+        if job.done:  # cancelled before it started
+            return
+        p = job.params
+        processors = make_logits_processors(
+            logit_bias=p.logit_bias,
+            presence_penalty=p.presence_penalty or None,
+            frequency_penalty=p.frequency_penalty or None,
+        )
+        try:
+            (uid,) = self._gen.insert(
+                [job.prompt_ids],
+                max_tokens=[p.max_tokens],
+                samplers=[make_sampler(p.temperature, p.top_p, p.seed)],
+                logits_processors=[processors],
+                stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])],
+            )
+        except Exception as e:
+            job.done = True
+            job.deliver(Step(finish_reason="error", error=f"{type(e).__name__}: {e}"))
+            return
+        job.uid = uid
+        self._jobs[uid] = job
+        self.stats["requests"] += 1
+
+    def _deliver(self, responses, version: int) -> None:
+        live = [r for r in responses if r.uid in self._jobs]
+        if not live:
+            return
+        ids = mx.array([r.token for r in live])
+        rows = mx.stack([r.logprobs.reshape(-1) for r in live])
+        chosen = mx.take_along_axis(rows, ids[:, None], axis=1)[:, 0].tolist()
+        want_top = max(self._jobs[r.uid].params.top_logprobs for r in live)
+        if want_top:
+            order = mx.argsort(-rows, axis=-1)[:, :want_top]
+            top_ids = order.tolist()
+            top_lps = mx.take_along_axis(rows, order, axis=1).tolist()
+        for i, r in enumerate(live):
+            job = self._jobs[r.uid]
+            k = job.params.top_logprobs
+            top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k else None
+            token = Token(id=r.token, logprob=chosen[i], adapter_version=version, top=top)
+            self.stats["tokens"] += 1
+            if r.finish_reason is not None:
+                del self._jobs[r.uid]
+                job.done = True
+            job.deliver(Step(token=token, finish_reason=r.finish_reason))
+
+    def _fail_all(self, message: str) -> None:
+        for job in list(getattr(self, "_jobs", {}).values()):
+            job.done = True
+            job.deliver(Step(finish_reason="error", error=message))
+        if hasattr(self, "_jobs"):
+            self._jobs.clear()
+
+
+def _unflatten(weights: dict[str, mx.array]):
+    from mlx.utils import tree_unflatten
+
+    return tree_unflatten(list(weights.items()))
+
+
+def asyncio_delivery(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Step], None]:
+    """A `deliver` callback that moves engine steps onto an asyncio queue, thread-safely."""
+    return lambda step: loop.call_soon_threadsafe(queue.put_nowait, step)

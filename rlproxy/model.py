@@ -1,0 +1,86 @@
+"""Loading the serving model: base weights + tokenizer + LoRA layers, the same path for every model.
+
+`--model` names a local directory or a hub id; with none, the embedded default is generated and
+loaded from its directory through the very same `mlx_lm.load` call. The model always carries LoRA
+layers (zero-initialised `lora_b`, so version 0 equals the base), which is what lets the trainer's
+adapter be swapped in with `model.update(...)`. This module does not generate or serve anything.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+from mlx.utils import tree_flatten
+from mlx_lm.tuner.utils import linear_to_lora_layers
+
+from rlproxy.embedded_model import embedded_model_path
+from rlproxy.settings import ModelSettings
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    model_id: str  # what /v1/models reports by default, and the identity KV caches are keyed by
+    source: str  # the path or hub id it was loaded from
+    context_length: int
+    lora_config: dict  # mlx-lm adapter_config.json contents
+
+
+def lora_config_from(settings: ModelSettings, num_blocks: int) -> dict:
+    layers = num_blocks if settings.lora_layers < 0 else min(settings.lora_layers, num_blocks)
+    params = {"rank": settings.lora_rank, "scale": settings.lora_scale, "dropout": 0.0}
+    if settings.lora_keys:
+        params["keys"] = list(settings.lora_keys)
+    return {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": params}
+
+
+def resolve_model_path(settings: ModelSettings) -> tuple[str, str]:
+    """(what to hand mlx_lm.load, the model id to report)."""
+    if settings.model is None:
+        path = embedded_model_path(settings.embedded_size)
+        return str(path), f"rlproxy-embedded-{settings.embedded_size}"
+    if Path(settings.model).exists():
+        return settings.model, Path(settings.model).resolve().name
+    return settings.model, settings.model  # a hub id is its own name
+
+
+def load_serving_model(settings: ModelSettings) -> LoadedModel:
+    path_or_id, model_id = resolve_model_path(settings)
+    model, tokenizer, config = mlx_lm.load(
+        path_or_id, adapter_path=settings.adapter, return_config=True
+    )
+    if settings.adapter:
+        lora_config = json.loads((Path(settings.adapter) / "adapter_config.json").read_text())
+    else:
+        lora_config = lora_config_from(settings, len(model.layers))
+        linear_to_lora_layers(model, lora_config["num_layers"], lora_config["lora_parameters"])
+    if not mx.metal.is_available():
+        # fp32 on CPU: bf16/fp16 matmuls measured 2-5x slower than fp32 here.
+        model.apply(lambda x: x.astype(mx.float32) if x.dtype in (mx.bfloat16, mx.float16) else x)
+    model.freeze()
+    model.unfreeze(keys=["lora_a", "lora_b"], strict=False)
+    model.eval()
+    # Concrete arrays only: the engine thread must never evaluate a graph built on this thread.
+    mx.eval(model.parameters())
+    context = config.get("max_position_embeddings") or getattr(
+        tokenizer, "model_max_length", 4096
+    )
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        source=path_or_id,
+        context_length=int(context),
+        lora_config=lora_config,
+    )
+
+
+def lora_weights(model: nn.Module) -> dict[str, mx.array]:
+    """The adapter's parameters by flat name (what checkpoints save and swaps replace)."""
+    return {k: v for k, v in tree_flatten(model.trainable_parameters())}

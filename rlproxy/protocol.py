@@ -1,0 +1,354 @@
+"""OpenAI Chat Completions shapes, parsed once at the edge.
+
+Owns: parsing and validating a request body into a typed `ChatRequest`, the
+OpenAI error shape (`APIError`), the plain dicts handed to a HF chat template,
+and builders for response and stream-chunk dicts. It knows nothing about MLX,
+tokenizers or sessions; `session_id`/`turn_type`/`session_done` are only
+carried through for the session layer to read.
+"""
+
+import re
+import secrets
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class APIError(Exception):
+    """A 4xx (or 5xx) answer in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+# strict: OpenAI rejects "1" for a number and 1 for a boolean, so we do too.
+# extra="ignore": agents send vendor fields we must not choke on.
+_CONFIG = ConfigDict(strict=True, extra="ignore")
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_TOKEN_ID = re.compile(r"^[0-9]+$")
+
+
+class FunctionCall(BaseModel):
+    model_config = _CONFIG
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it; checked to be an object
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_are_object(cls, v: str) -> str:
+        try:
+            parsed = orjson.loads(v)
+        except orjson.JSONDecodeError as e:
+            raise ValueError(f"arguments must be a JSON object encoded as a string ({e})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be a JSON object encoded as a string")
+        return v
+
+
+class ToolCall(BaseModel):
+    model_config = _CONFIG
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    model_config = _CONFIG
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None  # text parts are joined into one string on parse
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # accepted from agents that echo it, never used
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        texts = []
+        for part in v:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"this model accepts text only; got a content part of type {kind!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string 'text'")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class FunctionDef(BaseModel):
+    model_config = _CONFIG
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v: str) -> str:
+        if not _TOOL_NAME.match(v):
+            raise ValueError("must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-'")
+        return v
+
+
+class Tool(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _CONFIG
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(BaseModel):
+    model_config = _CONFIG
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = _CONFIG
+    type: str
+
+
+class ChatRequest(BaseModel):
+    """A validated /v1/chat/completions body.
+
+    `max_tokens` is the effective completion limit: `max_completion_tokens`
+    wins when both are given. `stop` is always a list (or None).
+    """
+
+    model_config = _CONFIG
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: list[str] | None = Field(None, max_length=4)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[int, float] | None = None  # token id -> bias; JSON keys are strings
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    # Session protocol fallbacks for clients that cannot set headers.
+    session_id: str | None = None
+    turn_type: str | None = None
+    session_done: bool | str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI SDKs and agents send explicit nulls for unset options.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _one_tool_choice_error(cls, v: Any, handler) -> Any:
+        # The union's per-branch errors read badly; say what is allowed instead.
+        try:
+            return handler(v)
+        except ValidationError:
+            raise ValueError('must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}') from None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        v = [v] if isinstance(v, str) else v
+        if isinstance(v, list) and any(s == "" for s in v):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for key, bias in v.items():
+            if not _TOKEN_ID.match(key):
+                raise ValueError(f"keys must be token ids as integer strings, got {key!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ValueError(f"bias for token {key} must be a number in [-100, 100], got {bias!r}")
+            out[int(key)] = float(bias)
+        return out
+
+    @model_validator(mode="after")
+    def _check_across_fields(self) -> "ChatRequest":
+        # Raised as APIError, which pydantic lets through untouched, so each
+        # rule can name its own param (and code) precisely.
+        for i, m in enumerate(self.messages):
+            _check_message(i, m)
+        if self.response_format is not None and self.response_format.type != "text":
+            unsupported = self.response_format.type in ("json_object", "json_schema")
+            raise APIError(
+                400, f"response_format {self.response_format.type!r} is not supported: this proxy "
+                "does not constrain output to JSON; ask for JSON in the prompt instead",
+                param="response_format", code="unsupported_parameter" if unsupported else None)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed when 'stream' is true",
+                           param="stream_options")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: 'logprobs' must be true to request top_logprobs",
+                           param="top_logprobs")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise APIError(400, "tool_choice: only 'none' or 'auto' is allowed when no tools are given",
+                           param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools}:
+                raise APIError(400, f"tool_choice: function {name!r} is not among the given tools",
+                               param="tool_choice")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+def _check_message(i: int, m: Message) -> None:
+    """Role-specific rules a per-field type cannot express."""
+    where = f"messages[{i}]"
+    if m.role == "tool":
+        if m.tool_call_id is None:
+            raise APIError(400, f"{where}.tool_call_id: a tool message needs the id of the call it answers",
+                           param=f"{where}.tool_call_id")
+        if m.content is None:
+            raise APIError(400, f"{where}.content: a tool message needs content", param=f"{where}.content")
+    elif m.role == "assistant":
+        if m.content is None and not m.tool_calls:
+            raise APIError(400, f"{where}.content: an assistant message needs content or tool_calls",
+                           param=f"{where}.content")
+    elif m.content is None:
+        raise APIError(400, f"{where}.content: a {m.role} message needs content", param=f"{where}.content")
+
+
+def _error_path(loc: tuple) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role', as OpenAI names params."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def parse_chat_request(raw: bytes) -> ChatRequest:
+    """Parse a request body; any bad input raises APIError(400)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, f"could not parse the JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}")
+    try:
+        return ChatRequest.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        path = _error_path(err["loc"]) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{path}: {msg}" if path else msg, param=path) from None
+
+
+def template_messages(req: ChatRequest) -> list[dict]:
+    """Messages as plain dicts for a HF chat template (tool arguments as dicts)."""
+    out = []
+    for m in req.messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                             "content": m.content or ""}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name,
+                                             "arguments": orjson.loads(c.function.arguments)}}
+                               for c in m.tool_calls]
+        if m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def template_tools(req: ChatRequest) -> list[dict] | None:
+    """Tools as plain dicts for a HF chat template, or None when none may be called."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+# ---- response builders: plain dicts, ready for orjson ----
+
+def completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def tool_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def chat_completion(id: str, created: int, model: str, choices: list[dict], usage: dict) -> dict:
+    return {"id": id, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": "rlproxy", "choices": choices, "usage": usage}
+
+
+def choice(index: int, content: str | None, tool_calls: list[dict] | None,
+           finish_reason: str, logprobs: dict | None) -> dict:
+    # OpenAI sends content null, not "", when the model only called tools.
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": None if tool_calls and not content else content,
+                               "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chunk(id: str, created: int, model: str, choices: list[dict], usage: dict | None = None) -> dict:
+    out = {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+           "system_fingerprint": "rlproxy", "choices": choices}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def delta_choice(index: int, delta: dict, finish_reason: str | None = None,
+                 logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": 0}}
+
+
+def token_logprob(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]}

@@ -1,0 +1,289 @@
+"""Unit tests for rlproxy.protocol: request parsing, error shape, builders."""
+
+import copy
+
+import orjson
+import pytest
+
+from rlproxy.protocol import (
+    APIError, ChatRequest, chat_completion, choice, chunk, completion_id, delta_choice,
+    parse_chat_request, template_messages, template_tools, token_logprob, tool_call_id, usage)
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def full_body() -> dict:
+    return {
+        "model": "qwen",
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in "},
+                                         {"type": "text", "text": "Paris?"}], "name": "ann"},
+            {"role": "assistant", "content": None, "reasoning_content": "thinking...",
+             "tool_calls": [{"id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "auto",
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "stop": "END",
+        "max_tokens": 10,
+        "max_completion_tokens": 20,
+        "seed": 7,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"42": -100, "7": 2.5},
+        "response_format": {"type": "text"},
+        "user": "u1",
+    }
+
+
+def parse(body: dict) -> ChatRequest:
+    return parse_chat_request(orjson.dumps(body))
+
+
+def minimal(**extra) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def test_full_request_parses_and_normalizes():
+    req = parse(full_body())
+    assert req.model == "qwen"
+    assert req.stop == ["END"]
+    assert req.max_tokens == 20 and req.max_completion_tokens == 20
+    assert req.messages[1].content == "Weather in Paris?"
+    assert req.temperature == 0.7 and req.top_p == 0.9 and req.n == 2 and req.seed == 7
+    assert req.stream is True and req.stream_options.include_usage is True
+    assert req.logprobs is True and req.top_logprobs == 3
+    assert req.logit_bias == {42: -100.0, 7: 2.5}
+    assert req.tool_choice == "auto" and req.parallel_tool_calls is True
+
+
+def test_defaults():
+    req = parse(minimal())
+    assert (req.temperature, req.top_p, req.n, req.stream, req.stop, req.max_tokens) == (1.0, 1.0, 1, False, None, None)
+    assert (req.logprobs, req.top_logprobs, req.presence_penalty, req.frequency_penalty) == (False, None, 0.0, 0.0)
+    assert req.tools is None and req.tool_choice is None and req.response_format is None
+
+
+def test_max_tokens_alone_is_kept():
+    assert parse(minimal(max_tokens=5)).max_tokens == 5
+
+
+def test_nulls_mean_default():
+    req = parse(minimal(temperature=None, tools=None, stop=None, stream_options=None, top_logprobs=None))
+    assert req.temperature == 1.0 and req.tools is None and req.stop is None
+
+
+def test_template_messages():
+    assert template_messages(parse(full_body())) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?", "name": "ann"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+
+
+def test_template_tools():
+    assert template_tools(parse(full_body())) == [WEATHER_TOOL]
+    assert template_tools(parse(minimal())) is None
+    assert template_tools(parse(minimal(tools=[WEATHER_TOOL], tool_choice="none"))) is None
+
+
+def test_named_tool_choice_accepted():
+    choice_ = {"type": "function", "function": {"name": "get_weather"}}
+    req = parse(minimal(tools=[WEATHER_TOOL], tool_choice=choice_))
+    assert req.tool_choice.function.name == "get_weather"
+
+
+def test_unknown_fields_ignored():
+    body = minimal(vendor_knob=3, reasoning_effort="high")
+    body["messages"][0]["cache_control"] = {"type": "ephemeral"}
+    req = parse(body)
+    assert req.messages[0].content == "hi"
+    assert "vendor_knob" not in req.model_dump()
+
+
+def test_session_fallbacks_kept_but_not_templated():
+    req = parse(minimal(session_id="s1", turn_type="policy", session_done=True))
+    assert (req.session_id, req.turn_type, req.session_done) == ("s1", "policy", True)
+    assert template_messages(req) == [{"role": "user", "content": "hi"}]
+    assert parse(minimal(session_done="true")).session_done == "true"
+
+
+def _msg(**m):
+    return minimal(messages=[m])
+
+
+BAD = [
+    # (body, param, message fragment)
+    ({"messages": [{"role": "user", "content": "x"}]}, "model", "Field required"),
+    (minimal(model=""), "model", "at least 1"),
+    ({"model": "m"}, "messages", "Field required"),
+    (minimal(messages=[]), "messages", "at least 1"),
+    (_msg(role="robot", content="x"), "messages[0].role", "Input should be"),
+    (_msg(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}]),
+     "messages[0].content", "this model accepts text only"),
+    (_msg(role="user", content=[{"type": "input_audio"}]), "messages[0].content", "text only"),
+    (_msg(role="user", content=[{"type": "text"}]), "messages[0].content", "string 'text'"),
+    (_msg(role="user", content=None), "messages[0].content", "needs content"),
+    (_msg(role="system"), "messages[0].content", "needs content"),
+    (_msg(role="assistant"), "messages[0].content", "content or tool_calls"),
+    (_msg(role="tool", content="x"), "messages[0].tool_call_id", "tool_call_id"),
+    (_msg(role="tool", tool_call_id="c"), "messages[0].content", "needs content"),
+    (_msg(role="assistant", tool_calls=[{"id": "c", "type": "function",
+                                         "function": {"name": "f", "arguments": "[1]"}}]),
+     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    (_msg(role="assistant", tool_calls=[{"id": "c", "type": "function",
+                                         "function": {"name": "f", "arguments": "{oops"}}]),
+     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    (_msg(role="assistant", tool_calls=[{"id": "c", "type": "function",
+                                         "function": {"name": "f", "arguments": {"a": 1}}}]),
+     "messages[0].tool_calls[0].function.arguments", "valid string"),
+    (minimal(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
+     "tools[0].function.name", "1-64 characters"),
+    (minimal(tools=[{"type": "function", "function": {"name": "x" * 65}}]),
+     "tools[0].function.name", "1-64 characters"),
+    (minimal(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools[0].type", "Input should be"),
+    (minimal(tool_choice="required"), "tool_choice", "no tools"),
+    (minimal(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "no tools"),
+    (minimal(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice", "'nope' is not among"),
+    (minimal(tools=[WEATHER_TOOL], tool_choice="sometimes"), "tool_choice", '"required"'),
+    (minimal(temperature=2.5), "temperature", "less than or equal to 2"),
+    (minimal(temperature=-0.1), "temperature", "greater than or equal to 0"),
+    (minimal(temperature="1"), "temperature", "valid number"),
+    (minimal(top_p=0), "top_p", "greater than 0"),
+    (minimal(top_p=1.5), "top_p", "less than or equal to 1"),
+    (minimal(n=0), "n", "greater than or equal to 1"),
+    (minimal(n=17), "n", "less than or equal to 16"),
+    (minimal(stream="yes"), "stream", "valid boolean"),
+    (minimal(stream_options={"include_usage": True}), "stream_options", "'stream' is true"),
+    (minimal(stream=False, stream_options={"include_usage": True}), "stream_options", "'stream' is true"),
+    (minimal(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+    (minimal(stop=""), "stop", "non-empty"),
+    (minimal(stop=["a", 3]), "stop[1]", "valid string"),
+    (minimal(max_tokens=0), "max_tokens", "greater than or equal to 1"),
+    (minimal(max_completion_tokens=0), "max_completion_tokens", "greater than or equal to 1"),
+    (minimal(top_logprobs=2), "top_logprobs", "'logprobs' must be true"),
+    (minimal(logprobs=False, top_logprobs=0), "top_logprobs", "'logprobs' must be true"),
+    (minimal(logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
+    (minimal(presence_penalty=2.1), "presence_penalty", "less than or equal to 2"),
+    (minimal(frequency_penalty=-3), "frequency_penalty", "greater than or equal to -2"),
+    (minimal(logit_bias={"abc": 1}), "logit_bias", "integer strings"),
+    (minimal(logit_bias={"-1": 1}), "logit_bias", "integer strings"),
+    (minimal(logit_bias={"5": 101}), "logit_bias", "[-100, 100]"),
+    (minimal(logit_bias={"5": "1"}), "logit_bias", "[-100, 100]"),
+    (minimal(response_format={"type": "xml"}), "response_format", "not supported"),
+    (minimal(seed="7"), "seed", "valid integer"),
+    (minimal(user=5), "user", "valid string"),
+    (minimal(messages="hi"), "messages", "valid list"),
+    (minimal(messages=["hi"]), "messages[0]", "valid dictionary"),
+]
+
+
+@pytest.mark.parametrize("body,param,fragment", BAD, ids=[f"{p}-{i}" for i, (_, p, _f) in enumerate(BAD)])
+def test_bad_input_is_a_400_naming_the_param(body, param, fragment):
+    with pytest.raises(APIError) as info:
+        parse(copy.deepcopy(body))
+    err = info.value
+    assert err.status == 400
+    assert err.param == param
+    assert fragment in err.message
+    assert err.message.startswith(param)
+    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error",
+                                    "param": param, "code": None}}
+
+
+@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+def test_json_response_format_is_unsupported(kind):
+    with pytest.raises(APIError) as info:
+        parse(minimal(response_format={"type": kind, "json_schema": {"name": "x", "schema": {}}}))
+    assert info.value.status == 400
+    assert info.value.body()["error"]["code"] == "unsupported_parameter"
+    assert info.value.param == "response_format"
+    assert "does not constrain output to JSON" in info.value.message
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"{'model': 1}", b"\xff\xfe", b"[" * 2000 + b"]" * 2000])
+def test_invalid_json(raw):
+    with pytest.raises(APIError) as info:
+        parse_chat_request(raw)
+    assert info.value.status == 400
+    assert info.value.message.startswith("could not parse the JSON body: ")
+    assert info.value.param is None
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"1", b'"x"', b"null"])
+def test_body_must_be_an_object(raw):
+    with pytest.raises(APIError) as info:
+        parse_chat_request(raw)
+    assert info.value.status == 400
+    assert "must be an object" in info.value.message
+
+
+def test_api_error_body_shape():
+    err = APIError(404, "no such model", type="not_found_error", param="model", code="model_not_found")
+    assert err.status == 404
+    assert err.body() == {"error": {"message": "no such model", "type": "not_found_error",
+                                    "param": "model", "code": "model_not_found"}}
+
+
+def test_ids():
+    cid, tid = completion_id(), tool_call_id()
+    assert cid.startswith("chatcmpl-") and len(cid) == len("chatcmpl-") + 24
+    assert tid.startswith("call_") and len(tid) == len("call_") + 24
+    assert completion_id() != cid
+
+
+def test_chat_completion_shape():
+    u = usage(10, 5, cached_tokens=4)
+    assert u == {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
+                 "prompt_tokens_details": {"cached_tokens": 4},
+                 "completion_tokens_details": {"reasoning_tokens": 0}}
+    c = choice(0, "hello", None, "stop", None)
+    assert c == {"index": 0, "message": {"role": "assistant", "content": "hello", "refusal": None},
+                 "logprobs": None, "finish_reason": "stop"}
+    body = chat_completion("chatcmpl-x", 123, "m", [c], u)
+    assert body == {"id": "chatcmpl-x", "object": "chat.completion", "created": 123, "model": "m",
+                    "system_fingerprint": "rlproxy", "choices": [c], "usage": u}
+
+
+def test_tool_call_choice_has_null_content():
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    c = choice(1, "", calls, "tool_calls", None)
+    assert c["message"] == {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
+    assert c["finish_reason"] == "tool_calls" and c["index"] == 1
+    assert choice(0, "let me check", calls, "tool_calls", None)["message"]["content"] == "let me check"
+
+
+def test_chunk_shape():
+    d = delta_choice(0, {"role": "assistant", "content": "hi"})
+    assert d == {"index": 0, "delta": {"role": "assistant", "content": "hi"},
+                 "logprobs": None, "finish_reason": None}
+    c = chunk("chatcmpl-x", 1, "m", [d])
+    assert c == {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                 "system_fingerprint": "rlproxy", "choices": [d]}
+    last = chunk("chatcmpl-x", 1, "m", [], usage=usage(1, 2))
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 3
+    assert delta_choice(2, {}, "length")["finish_reason"] == "length"
+
+
+def test_token_logprob_shape():
+    assert token_logprob("é", -0.5, [("é", -0.5), ("e", -1.25)]) == {
+        "token": "é", "logprob": -0.5, "bytes": [195, 169],
+        "top_logprobs": [{"token": "é", "logprob": -0.5, "bytes": [195, 169]},
+                         {"token": "e", "logprob": -1.25, "bytes": [101]}]}
+    assert orjson.loads(orjson.dumps(token_logprob("a", 0.0, []))) == {
+        "token": "a", "logprob": 0.0, "bytes": [97], "top_logprobs": []}
