@@ -45,7 +45,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = load_settings(flags_from(args), args.config)
     app = create_app(settings)
     web.run_app(app, host=settings.server.host, port=settings.server.port,
-                print=lambda msg: print(msg.replace("http://", "rlproxy on http://"), flush=True),
+                print=lambda msg: print(msg, flush=True),
                 access_log=None)
     return 0
 

@@ -188,6 +188,47 @@ class ChoiceRecord:
     tool_calls: list[dict] = field(default_factory=list)
 
 
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The exact bytes one token stands for (a token may hold part of a UTF-8 character)."""
+    cache = _TOKEN_BYTES.setdefault(id(tokenizer), {})
+    if token_id not in cache:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if token_id in tokenizer.all_special_ids or piece in _added(tokenizer):
+            cache[token_id] = piece.encode()
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            cache[token_id] = bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+        elif all(c in BYTE_LEVEL for c in piece):  # byte-level BPE (GPT-2, Qwen, Llama 3)
+            cache[token_id] = bytes(BYTE_LEVEL[c] for c in piece)
+        else:
+            cache[token_id] = piece.replace("\u2581", " ").encode()  # SentencePiece piece
+    return cache[token_id]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    # GPT-2's reversible byte <-> printable-character mapping, inverted.
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+_TOKEN_BYTES: dict[int, dict[int, bytes]] = {}
+_ADDED: dict[int, set] = {}
+
+
+def _added(tokenizer) -> set:
+    if id(tokenizer) not in _ADDED:
+        _ADDED[id(tokenizer)] = set(tokenizer.get_added_vocab())
+    return _ADDED[id(tokenizer)]
+
+
 class EngineFailure(Exception):
     pass
 
@@ -262,9 +303,8 @@ class Generation:
         self.finished_at = time.time()
 
     def _logprob_entry(self, t) -> dict:
-        decode = self.tokenizer.decode
-        top = [(decode([tid]), lp) for tid, lp in (t.top or [])]
-        return protocol.token_logprob(decode([t.id]), t.logprob, top)
+        top = [(token_bytes(self.tokenizer, tid), lp) for tid, lp in (t.top or [])]
+        return protocol.token_logprob(token_bytes(self.tokenizer, t.id), t.logprob, top)
 
     def usage(self) -> dict:
         return protocol.usage(len(self.prompt.ids), sum(len(r.token_ids) for r in self.records))

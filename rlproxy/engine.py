@@ -99,7 +99,8 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         self.adapter_version = 0
         self.error: str | None = None  # set if the thread died; /healthz reports it
-        self.stats = {"requests": 0, "tokens": 0, "steps": 0, "swaps": 0, "last_swap_ms": 0.0}
+        self.stats = {"requests": 0, "active": 0, "tokens": 0, "steps": 0, "swaps": 0,
+                      "last_swap_ms": 0.0}
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._running = False
@@ -177,6 +178,7 @@ class Engine:
         while self._running:
             self._drain_inbox()
             if not self._jobs:
+                self.stats["active"] = 0
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 previous_version = self.adapter_version
@@ -189,6 +191,7 @@ class Engine:
                 self._gen = self._new_generator()
                 continue
             self.stats["steps"] += 1
+            self.stats["active"] = len(self._jobs)
             if responses:
                 self._deliver(responses, previous_version)
             previous_version = self.adapter_version

@@ -84,3 +84,12 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
 def lora_weights(model: nn.Module) -> dict[str, mx.array]:
     """The adapter's parameters by flat name (what checkpoints save and swaps replace)."""
     return {k: v for k, v in tree_flatten(model.trainable_parameters())}
+
+
+def save_adapter(model: nn.Module, lora_config: dict, path: str | Path) -> Path:
+    """Write the adapter in mlx-lm's format (`mlx_lm.load(..., adapter_path=path)` opens it)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "adapters.safetensors"), lora_weights(model))
+    (path / "adapter_config.json").write_text(json.dumps(lora_config, indent=2))
+    return path

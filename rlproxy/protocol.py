@@ -47,6 +47,8 @@ class FunctionCall(BaseModel):
     @field_validator("arguments")
     @classmethod
     def _arguments_are_object(cls, v: str) -> str:
+        if not v.strip():  # some clients send "" for a call without arguments
+            return "{}"
         try:
             parsed = orjson.loads(v)
         except orjson.JSONDecodeError as e:
@@ -349,6 +351,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
-def token_logprob(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]}
+def token_logprob(token: bytes, logprob: float, top: list[tuple[bytes, float]]) -> dict:
+    """One token's entry; `bytes` is exact even where a token holds part of a UTF-8 character."""
+    def entry(b: bytes, lp: float) -> dict:
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+    return {**entry(token, logprob), "top_logprobs": [entry(b, lp) for b, lp in top]}

@@ -281,9 +281,20 @@ def test_chunk_shape():
 
 
 def test_token_logprob_shape():
-    assert token_logprob("é", -0.5, [("é", -0.5), ("e", -1.25)]) == {
+    assert token_logprob("é".encode(), -0.5, [("é".encode(), -0.5), (b"e", -1.25)]) == {
         "token": "é", "logprob": -0.5, "bytes": [195, 169],
         "top_logprobs": [{"token": "é", "logprob": -0.5, "bytes": [195, 169]},
                          {"token": "e", "logprob": -1.25, "bytes": [101]}]}
-    assert orjson.loads(orjson.dumps(token_logprob("a", 0.0, []))) == {
+    # Half of a UTF-8 character: the text is a replacement mark, the bytes stay exact.
+    assert token_logprob(b"\xc3", -1.0, [])["bytes"] == [195]
+    assert orjson.loads(orjson.dumps(token_logprob(b"a", 0.0, []))) == {
         "token": "a", "logprob": 0.0, "bytes": [97], "top_logprobs": []}
+
+
+def test_empty_tool_call_arguments_mean_no_arguments():
+    req = parse_chat_request(orjson.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "now", "arguments": ""}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]}))
+    assert template_messages(req)[1]["tool_calls"][0]["function"]["arguments"] == {}

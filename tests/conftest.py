@@ -1,0 +1,147 @@
+"""Shared fixtures: the real tiny model, the real aiohttp app on a free port, the real openai SDK.
+
+The server runs on its own event loop in a background thread, so tests can use both the sync and
+the async openai clients against it exactly as an agent would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import openai
+import pytest
+from aiohttp import web
+
+from rlproxy.model import load_serving_model, save_adapter
+from rlproxy.server import create_app
+from rlproxy.settings import ModelSettings, load_settings
+
+
+class ServerThread:
+    """The real app, served on 127.0.0.1:<free port> from a background event loop."""
+
+    def __init__(self, settings, loaded=None):
+        self.settings, self.loaded = settings, loaded
+        self.loop = asyncio.new_event_loop()
+        self.started = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._start())
+        except BaseException as e:
+            self.error = e
+            self.started.set()
+            return
+        self.started.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.close()
+
+    async def _start(self):
+        self.app = create_app(self.settings, self.loaded)
+        self.runner = web.AppRunner(self.app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    def __enter__(self):
+        self.thread.start()
+        self.started.wait(timeout=120)
+        if self.error:
+            raise self.error
+        return self
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=60)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=kw.pop("api_key", "unused"),
+                             max_retries=0, timeout=120, **kw)
+
+    def async_client(self, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=kw.pop("api_key", "unused"),
+                                  max_retries=0, timeout=120, **kw)
+
+
+def make_settings(tmp_path: Path, **flags):
+    return load_settings({"data_dir": str(tmp_path), **flags}, environ={})
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The embedded tiny model, loaded once (tests that change weights load their own)."""
+    return load_serving_model(ModelSettings())
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    with ServerThread(make_settings(tmp_path_factory.mktemp("data")), tiny) as s:
+        yield s
+
+
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]},
+    },
+}]
+TOOL_PROMPT = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOL_REPLY = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+HELLO_PROMPT = [{"role": "user", "content": "Say hello."}]
+HELLO_REPLY = "Hello from Paris, the city of light!"
+
+
+@pytest.fixture(scope="session")
+def taught_adapter(tmp_path_factory):
+    """A real LoRA adapter, trained here for a few seconds on the tiny model, that makes greedy
+    decoding answer TOOL_PROMPT (with TOOLS) with a tool call and HELLO_PROMPT with HELLO_REPLY.
+    Random weights never emit a tool call; this gives the parsers real model output to read."""
+    loaded = load_serving_model(ModelSettings())
+    model, tok = loaded.model, loaded.tokenizer
+    pairs = []
+    for messages, tools, reply in ((TOOL_PROMPT, TOOLS, TOOL_REPLY),
+                                   (HELLO_PROMPT, None, HELLO_REPLY)):
+        prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        target = tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]
+        pairs.append((prompt, target))
+
+    def loss_fn(model):
+        total = 0.0
+        for prompt, target in pairs:
+            ids = mx.array(prompt + target)[None]
+            logits = model(ids[:, :-1])[:, len(prompt) - 1:]
+            total = total + nn.losses.cross_entropy(logits, mx.array(target)[None]).mean()
+        return total
+
+    opt = optim.Adam(learning_rate=1e-3)
+    step = nn.value_and_grad(model, loss_fn)
+    for _ in range(600):
+        loss, grads = step(model)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state)
+        if loss.item() < 0.02:
+            break
+    path = save_adapter(model, loaded.lora_config, tmp_path_factory.mktemp("adapter"))
+    return path
