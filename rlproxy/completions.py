@@ -180,7 +180,7 @@ class ChoiceRecord:
 
     index: int
     seed: int
-    token_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     adapter_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -282,7 +282,7 @@ class Generation:
                 if self.first_token_at is None:
                     self.first_token_at = time.time()
                 t = step.token
-                rec.token_ids.append(t.id)
+                rec.completion_ids.append(t.id)
                 rec.logprobs.append(t.logprob)
                 rec.adapter_versions.append(t.adapter_version)
                 deltas = text.add(t.id)
@@ -307,4 +307,4 @@ class Generation:
         return protocol.token_logprob(token_bytes(self.tokenizer, t.id), t.logprob, top)
 
     def usage(self) -> dict:
-        return protocol.usage(len(self.prompt.ids), sum(len(r.token_ids) for r in self.records))
+        return protocol.usage(len(self.prompt.ids), sum(len(r.completion_ids) for r in self.records))

@@ -13,31 +13,20 @@ import asyncio
 import logging
 import time
 
-import orjson
 from aiohttp import web
 
-from rlproxy import protocol
+from rlproxy.appkeys import ENGINE, MODEL, SESSIONS, SETTINGS, STARTED, TRAINABLE
 from rlproxy.blas import blas_in_use
-from rlproxy.completions import (
-    EngineFailure, Generation, build_prompt, sampling_params,
-)
+from rlproxy.chat import chat_completions, json_response, served_names
 from rlproxy.engine import Engine
 from rlproxy.model import LoadedModel, load_serving_model
 from rlproxy.protocol import APIError
+from rlproxy.sessions import SessionStore
 from rlproxy.settings import Settings
 
 log = logging.getLogger("rlproxy.server")
 
-SETTINGS = web.AppKey("settings", Settings)
-MODEL = web.AppKey("model", LoadedModel)
-ENGINE = web.AppKey("engine", Engine)
-STARTED = web.AppKey("started", float)
-
 OPEN_PATHS = {"/healthz"}  # no API key needed: nothing secret, and load balancers probe it
-
-
-def json_response(data, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
 def error_response(err: APIError) -> web.Response:
@@ -78,10 +67,6 @@ async def auth_middleware(request: web.Request, handler):
     return await handler(request)
 
 
-def served_names(app: web.Application) -> list[str]:
-    return app[SETTINGS].server.served_model_name or [app[MODEL].model_id]
-
-
 async def list_models(request: web.Request) -> web.Response:
     created = int(request.app[STARTED])
     data = [{"id": name, "object": "model", "created": created, "owned_by": "rlproxy"}
@@ -110,101 +95,60 @@ async def healthz(request: web.Request) -> web.Response:
         "blas": blas_in_use(),
         "context_length": model.context_length,
         "engine": dict(engine.stats),
+        "sessions_open": len(request.app[SESSIONS].open),
+        "trainable_turns_queued": request.app[TRAINABLE].qsize(),
         "uptime_s": round(time.time() - request.app[STARTED], 1),
     }, status=200 if ok else 503)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    app = request.app
-    settings, model, engine = app[SETTINGS], app[MODEL], app[ENGINE]
-    req = protocol.parse_chat_request(await request.read())
-    if settings.server.strict_model_names and req.model not in served_names(app):
-        raise APIError(404, f"The model '{req.model}' does not exist", param="model",
-                       code="model_not_found")
-    if engine.error is not None or not engine.alive:
-        raise APIError(503, f"the engine is not running: {engine.error}", type="server_error")
-    loop = asyncio.get_running_loop()
-    # Templating a 15k-token agent prompt takes tens of ms: keep it off the event loop.
-    prompt = await loop.run_in_executor(None, build_prompt, model.tokenizer, req)
-    params = sampling_params(req, len(prompt.ids), model.context_length,
-                             settings.engine.default_max_tokens)
-    gen = Generation(engine, model.tokenizer, prompt, params, req)
-    try:
-        if req.stream:
-            return await stream_completion(request, req, gen)
-        return await full_completion(request, req, gen)
-    finally:
-        gen.cancel()  # no-op for finished choices; stops generation for a gone client
+async def list_sessions(request: web.Request) -> web.Response:
+    store = request.app[SESSIONS]
+    data = [s.summary() for s in store.open.values()]
+    data += [s.summary() for s in reversed(store.closed)]
+    return json_response({"object": "list", "data": data})
 
 
-async def full_completion(request: web.Request, req, gen: Generation) -> web.Response:
-    logprobs: dict[int, list] = {i: [] for i in range(req.n)}
-    try:
-        async for ev in gen.events():
-            logprobs[ev.index] += ev.logprobs
-            if request.transport is None or request.transport.is_closing():
-                raise ConnectionResetError("client went away")
-    except EngineFailure as e:
-        raise APIError(500, f"generation failed: {e}", type="server_error") from None
-    choices = [
-        protocol.choice(r.index, r.text, r.tool_calls or None, r.finish_reason,
-                        {"content": logprobs[r.index], "refusal": None} if req.logprobs else None)
-        for r in gen.records
-    ]
-    body = protocol.chat_completion(protocol.completion_id(), int(gen.started), req.model,
-                                    choices, gen.usage())
-    return json_response(body)
+async def get_session(request: web.Request) -> web.Response:
+    session = request.app[SESSIONS].find(request.match_info["session_id"])
+    if session is None:
+        raise APIError(404, f"no session {request.match_info['session_id']!r} (open or recently "
+                       "closed)", param="session_id", code="session_not_found")
+    return json_response(session.summary(with_turns=True))
 
 
-async def stream_completion(request: web.Request, req, gen: Generation) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
-    cid, created = protocol.completion_id(), int(gen.started)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    usage_field = None  # OpenAI: with include_usage every chunk carries "usage": null but the last
-
-    async def send(choices: list[dict]) -> None:
-        data = protocol.chunk(cid, created, req.model, choices)
-        if include_usage:
-            data["usage"] = usage_field
-        await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
-
-    for i in range(req.n):
-        await send([protocol.delta_choice(i, {"role": "assistant", "content": ""})])
-    tool_counts = [0] * req.n
-    try:
-        async for ev in gen.events():
-            for kind, value in ev.deltas:
-                lp = {"content": ev.logprobs, "refusal": None} if req.logprobs else None
-                if kind == "content":
-                    await send([protocol.delta_choice(ev.index, {"content": value}, None, lp)])
-                else:
-                    delta = {"tool_calls": [{"index": tool_counts[ev.index], **value}]}
-                    tool_counts[ev.index] += 1
-                    await send([protocol.delta_choice(ev.index, delta, None, lp)])
-                ev.logprobs = []  # attach a token's logprobs to its first delta only
-            if ev.logprobs and req.logprobs:  # held-back text: logprobs ride on an empty delta
-                await send([protocol.delta_choice(ev.index, {}, None,
-                                                  {"content": ev.logprobs, "refusal": None})])
-            if ev.finish_reason is not None:
-                await send([protocol.delta_choice(ev.index, {}, ev.finish_reason)])
-    except EngineFailure as e:
-        err = APIError(500, f"generation failed: {e}", type="server_error")
-        await resp.write(b"data: " + orjson.dumps(err.body()) + b"\n\n")
-    else:
-        if include_usage:
-            usage_field = gen.usage()
-            await send([])
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+async def end_session(request: web.Request) -> web.Response:
+    sid = request.match_info["session_id"]
+    if not request.app[SESSIONS].end(sid, "ended"):
+        raise APIError(404, f"no open session {sid!r}", param="session_id",
+                       code="session_not_found")
+    return json_response({"id": sid, "object": "session", "open": False, "closed": "ended"})
 
 
 async def not_found(request: web.Request) -> web.Response:
     # Ollama-style probes (/api/show, /api/v1/models) and anything else: a clean JSON 404.
     raise APIError(404, f"no route for {request.method} {request.path}; rlproxy speaks the "
                    "OpenAI API under /v1", code="not_found")
+
+
+def sessions_context(settings: Settings):
+    async def ctx(app: web.Application):
+        queue: asyncio.Queue = asyncio.Queue()
+        store = SessionStore(settings.records.data_dir, settings.sessions.session_idle_timeout_s,
+                             fsync=settings.records.fsync, on_trainable=queue.put_nowait)
+        app[SESSIONS], app[TRAINABLE] = store, queue
+        sweeper = asyncio.create_task(sweep_idle_sessions(store))
+        yield
+        sweeper.cancel()
+        store.close()
+
+    return ctx
+
+
+async def sweep_idle_sessions(store: SessionStore) -> None:
+    while True:
+        await asyncio.sleep(min(5.0, store.idle_timeout_s / 4))
+        for sid in store.sweep_idle():
+            log.info("session %s closed after %.0f s idle", sid, store.idle_timeout_s)
 
 
 def engine_context(settings: Settings, loaded: LoadedModel | None):
@@ -232,10 +176,14 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.App
     )
     app[SETTINGS] = settings
     app[STARTED] = time.time()
+    app.cleanup_ctx.append(sessions_context(settings))
     app.cleanup_ctx.append(engine_context(settings, loaded))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/sessions", list_sessions)
+    app.router.add_get("/v1/sessions/{session_id}", get_session)
+    app.router.add_post("/v1/sessions/{session_id}/end", end_session)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

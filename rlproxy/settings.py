@@ -58,6 +58,12 @@ class EngineSettings(Section):
 
 class RecordSettings(Section):
     data_dir: Path = Path.home() / ".rlproxy"
+    fsync: bool = True  # fsync every record line: an acknowledged turn survives power loss too
+
+
+class SessionSettings(Section):
+    session_idle_timeout_s: float = Field(
+        1800.0, gt=0, description="close a session after this long without a request")
 
 
 class Settings(Section):
@@ -65,6 +71,7 @@ class Settings(Section):
     model: ModelSettings = ModelSettings()
     engine: EngineSettings = EngineSettings()
     records: RecordSettings = RecordSettings()
+    sessions: SessionSettings = SessionSettings()
 
 
 SECTIONS = {name: field.annotation for name, field in Settings.model_fields.items()}

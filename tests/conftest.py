@@ -145,3 +145,19 @@ def taught_adapter(tmp_path_factory):
             break
     path = save_adapter(model, loaded.lora_config, tmp_path_factory.mktemp("adapter"))
     return path
+
+
+@pytest.fixture(scope="module")
+def taught_server(taught_adapter, tmp_path_factory):
+    settings = make_settings(tmp_path_factory.mktemp("data"), adapter=str(taught_adapter))
+    with ServerThread(settings) as s:  # loads base + --adapter through the normal path
+        yield s
+
+
+def read_records(data_dir, name="conversations.jsonl") -> list[dict]:
+    import json
+
+    path = Path(data_dir) / name
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]

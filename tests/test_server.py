@@ -270,13 +270,6 @@ def test_api_key_and_strict_model_names(tiny, tmp_path):
         assert e.value.body["code"] == "model_not_found"
 
 
-@pytest.fixture(scope="module")
-def taught_server(taught_adapter, tmp_path_factory):
-    settings = make_settings(tmp_path_factory.mktemp("data"), adapter=str(taught_adapter))
-    with ServerThread(settings) as s:  # loads base + --adapter through the normal path
-        yield s
-
-
 def test_tool_call_is_parsed(taught_server):
     r = taught_server.client().chat.completions.create(
         model="m", messages=TOOL_PROMPT, tools=TOOLS, temperature=0, max_tokens=60)
