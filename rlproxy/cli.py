@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from rlproxy.settings import load_settings
 
@@ -25,10 +26,65 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int)
     p.add_argument("--lora-scale", type=float)
     p.add_argument("--lora-layers", type=int, help="LoRA on the last N blocks (-1: all)")
+    p.add_argument("--lora-keys", action="append",
+                   help="projection to adapt, e.g. self_attn.q_proj (repeat; default: all)")
     p.add_argument("--max-batch", type=int, help="sequences decoded together (16)")
     p.add_argument("--default-max-tokens", type=int,
                    help="completion cap when a request sets no max_tokens (1024)")
     p.add_argument("--data-dir", help="where records and checkpoints go (~/.rlproxy)")
+    p.add_argument("--method", choices=["rl", "opd", "combine"],
+                   help="scoring: rl (PRM judge reward), opd (hint + teacher log-probs), combine")
+    p.add_argument("--prm-m", type=int, help="judge votes per turn (3)")
+    p.add_argument("--prm-temperature", type=float, help="judge sampling temperature (0.6)")
+    p.add_argument("--prm-max-tokens", type=int, help="judge answer length cap (256)")
+    p.add_argument("--prm-prompts", help="folder with judge.txt and hint.txt (prm_prompts/)")
+    p.add_argument("--w-opd", type=float, help="weight of teacher_lp - behaviour_lp (1.0)")
+    p.add_argument("--w-rl", type=float, help="weight of the reward (1.0)")
+    p.add_argument("--at-least-one", dest="at_least_one", action="store_true", default=None,
+                   help="if every scored turn of a closed session is <= 0, its best gets +1 (on)")
+    p.add_argument("--no-at-least-one", dest="at_least_one", action="store_false")
+    p.add_argument("--feedback-mode", choices=["override", "add"],
+                   help="explicit feedback replaces (override) or adds to the judge reward")
+    p.add_argument("--reward-function", dest="reward_functions", action="append",
+                   help="module:function returning a reward in [-1, 1] or None (repeatable)")
+    p.add_argument("--no-judge", dest="judge", action="store_false", default=None,
+                   help="no PRM votes: rewards only from feedback and --reward-function")
+    p.add_argument("--judge-url", help="OpenAI-compatible judge base URL (default: local model)")
+    p.add_argument("--judge-model", help="model name sent to --judge-url")
+    p.add_argument("--judge-api-key", help="API key for --judge-url")
+    p.add_argument("--teacher-url", help="vLLM-compatible URL giving prompt log-probs (OPD)")
+    p.add_argument("--no-train", dest="train", action="store_false", default=None,
+                   help="serve, record and score, but never update the adapter")
+    p.add_argument("--loss-fn", choices=["ppo", "importance_sampling", "cispo", "dro",
+                                         "cross_entropy"], help="policy loss (ppo)")
+    p.add_argument("--eps-low", type=float, help="PPO/CISPO lower clip (0.2)")
+    p.add_argument("--eps-high", type=float, help="PPO/CISPO upper clip (0.28)")
+    p.add_argument("--dro-beta", type=float, help="DRO quadratic penalty (0.1)")
+    p.add_argument("--kl-coef", type=float, help="KL penalty to the base model (0: off)")
+    p.add_argument("--learning-rate", type=float, help="AdamW learning rate (1e-5)")
+    p.add_argument("--batch-size", type=int, help="scored turns per optimizer step (4)")
+    p.add_argument("--train-epochs", type=int, help="optimizer steps per batch (1)")
+    p.add_argument("--max-context-tokens", type=int, help="skip longer turns (16384)")
+    p.add_argument("--grad-clip", type=float, help="max gradient norm (1.0; 0: off)")
+    p.add_argument("--grad-checkpoint", action="store_true", default=None)
+    p.add_argument("--baseline", choices=["none", "mean"], help="reward baseline (mean)")
+    p.add_argument("--save-interval", type=int, help="checkpoint every N steps (10)")
+    p.add_argument("--keep-checkpoints", type=int, help="keep the last N checkpoints (3)")
+    p.add_argument("--no-resume", dest="resume", action="store_false", default=None,
+                   help="start fresh instead of from the newest checkpoint")
+    p.add_argument("--duty-cycle", type=float,
+                   help="share of time training may use while requests decode (0.5)")
+    p.add_argument("--judge-timeout-s", type=float)
+    p.add_argument("--judge-retries", type=int)
+    p.add_argument("--judge-concurrency", type=int)
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                   help="do not keep prompt KV state in memory or on disk")
+    p.add_argument("--prefix-cache-disk-limit-gb", type=float, help="disk budget (4)")
+    p.add_argument("--prefix-cache-memory-mb", type=float, help="in-memory LRU budget (512)")
+    p.add_argument("--kv-bits", type=int, help="quantize KV state to 4 or 8 bits")
+    p.add_argument("--kv-group-size", type=int, help="KV quantization group size (64)")
+    p.add_argument("--quantized-kv-start", type=int,
+                   help="quantize KV only past this many tokens (0)")
     p.add_argument("--session-idle-timeout-s", type=float,
                    help="close a session after this many idle seconds (1800)")
     p.add_argument("--no-fsync", dest="fsync", action="store_false", default=None,
@@ -94,6 +150,49 @@ def records_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def fuse_cmd(args: argparse.Namespace) -> int:
+    from rlproxy.checkpoints import fuse
+    from rlproxy.model import resolve_model_path
+
+    settings = load_settings({"model": args.model, "embedded_size": args.embedded_size})
+    source, _ = resolve_model_path(settings.model)
+    out = fuse(source, Path(args.adapter), Path(args.out))
+    print(f"fused model written to {out} (open it with mlx_lm.load or rlproxy serve --model)")
+    return 0
+
+
+def train_cmd(args: argparse.Namespace) -> int:
+    """Retrain from recorded turns and scores with the live trainer's code path."""
+    from rlproxy.model import load_serving_model
+    from rlproxy.trainer import Trainer, released_turns, training_copy
+
+    settings = load_settings(flags_from(args), args.config)
+    source = Path(args.source)
+    turns = released_turns(source, settings.scoring.w_opd, settings.scoring.w_rl)
+    if not turns:
+        print(f"rlproxy: no scored turns released for training in {source}", file=sys.stderr)
+        return 1
+    loaded = load_serving_model(settings.model)
+    out = settings.records.data_dir
+    trainer = Trainer(settings, training_copy(loaded), loaded.lora_config, data_dir=out)
+    trainer.trained = set()  # retrain everything, whatever an earlier run did
+    size = settings.trainer.batch_size
+    for start in range(0, len(turns) - size + 1, size):
+        for line in trainer.train_batch(turns[start:start + size]):
+            print(f"step {line['step']}: loss {line['loss']:.4f} "
+                  f"reward_mean {line['reward_mean']} tokens {line['tokens']}", flush=True)
+    path = trainer.save()
+    trainer.writer.close()
+    print(f"{len(turns)} turns, {trainer.step} steps; adapter checkpoint: {path}")
+    return 0
+
+
+def demo_cmd(args: argparse.Namespace) -> int:
+    from rlproxy.demo import run_demo
+
+    return run_demo(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rlproxy",
@@ -104,6 +203,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server")
     add_serve_flags(p)
     p.set_defaults(func=serve)
+    f = sub.add_parser("fuse", help="merge an adapter into the base model's weights")
+    f.add_argument("--adapter", required=True, help="adapter dir (e.g. a checkpoint step_*)")
+    f.add_argument("--out", required=True, help="where to write the fused model")
+    f.add_argument("--model", help="base model path or hub id (default: the embedded model)")
+    f.add_argument("--embedded-size", help="embedded model size when --model is not given")
+    f.set_defaults(func=fuse_cmd)
+    tr = sub.add_parser("train", help="retrain an adapter offline from recorded, scored turns")
+    tr.add_argument("--from", dest="source", required=True, help="a server's --data-dir")
+    add_serve_flags(tr)  # model, LoRA and trainer flags; --data-dir is where results go
+    tr.set_defaults(func=train_cmd)
+    d = sub.add_parser("demo", help="watch the proxy learn: a scripted agent, a verifiable "
+                       "reward, PPO steps, a plot (embedded model, no network)")
+    d.add_argument("--steps", type=int, default=30, help="PPO steps to run (30)")
+    d.add_argument("--out", default="rlproxy-demo", help="folder for the plot and records")
+    d.add_argument("--embedded-size", default="tiny")
+    d.add_argument("--log-level", default="WARNING")
+    d.set_defaults(func=demo_cmd)
     records = sub.add_parser("records", help="read the JSONL training records")
     rsub = records.add_subparsers(dest="records_command", required=True)
     t = rsub.add_parser("tail", help="print recorded turns readably")

@@ -307,4 +307,7 @@ class Generation:
         return protocol.token_logprob(token_bytes(self.tokenizer, t.id), t.logprob, top)
 
     def usage(self) -> dict:
-        return protocol.usage(len(self.prompt.ids), sum(len(r.completion_ids) for r in self.records))
+        # A prompt token counts as cached only if every choice got it from the prefix cache.
+        cached = min(job.cached_tokens for job in self.jobs)
+        completion = sum(len(r.completion_ids) for r in self.records)
+        return protocol.usage(len(self.prompt.ids), completion, cached)

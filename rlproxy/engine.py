@@ -6,6 +6,11 @@ leave between steps). The asyncio side talks to it only through `submit`, `cance
 `loop.call_soon_threadsafe`. Nothing here knows HTTP, text, stop strings or sessions: the engine
 takes token ids and gives token ids with their log-probs.
 
+With a prefix cache (prefix_cache.py), each new job starts from the longest stored prefix of its
+prompt under the adapter now served, and prefills only the rest (`Job.cached_tokens` says how
+much came from the cache); a job's KV goes back to the store when it finishes or is cancelled,
+unless an adapter swap happened during its life (its KV then mixes two versions).
+
 What a stored log-prob is: log-softmax of the model's logits at temperature 1 (after logit_bias
 and penalties when a request asks for them), *before* temperature and top_p. Sampling then
 applies temperature first and top_p second, in OpenAI's order (mlx-lm's own sampler filters
@@ -28,6 +33,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors
+
+from rlproxy.prefix_cache import PrefixCache, adapter_fingerprint
 
 log = logging.getLogger("rlproxy.engine")
 
@@ -69,6 +76,8 @@ class Job:
     uid: int | None = None
     done: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
+    swaps_at_insert: int = 0  # adapter swaps seen when it started: KV spanning one is not stored
 
 
 def make_sampler(temperature: float, top_p: float, seed: int):
@@ -92,8 +101,9 @@ class Engine:
     """The serving model's only user. Thread-safe entry points: submit, cancel, publish_adapter."""
 
     def __init__(self, model: nn.Module, eos_token_ids, *, max_batch: int = 16,
-                 prefill_step_size: int = 2048):
+                 prefill_step_size: int = 2048, prefix_cache: PrefixCache | None = None):
         self.model = model
+        self.prefix_cache = prefix_cache
         self.eos_token_ids = sorted(eos_token_ids)
         self.max_batch = max_batch
         self.prefill_step_size = prefill_step_size
@@ -171,6 +181,8 @@ class Engine:
 
     def _loop(self) -> None:
         self._gen = self._new_generator()
+        if self.prefix_cache is not None:
+            self.prefix_cache.set_adapter(self.adapter_version, adapter_fingerprint(self.model))
         self._jobs: dict[int, Job] = {}
         # A token returned by a step was sampled from logits of the previous step's forward
         # pass (BatchGenerator pipelines one step ahead), so it carries that step's version.
@@ -204,7 +216,12 @@ class Engine:
             elif kind == "cancel":
                 job = payload
                 if job.uid is not None and job.uid in self._jobs:
-                    self._gen.remove([job.uid])
+                    if self.prefix_cache is None:
+                        self._gen.remove([job.uid])
+                    else:
+                        kept = self._gen.remove([job.uid], return_prompt_caches=True)
+                        if job.uid in kept:
+                            self._store(job, *kept[job.uid])
                     del self._jobs[job.uid]
                 job.done = True
             elif kind == "adapter":
@@ -214,6 +231,8 @@ class Engine:
                 self.adapter_version = version
                 self.stats["swaps"] += 1
                 self.stats["last_swap_ms"] = (time.perf_counter() - tic) * 1000
+                if self.prefix_cache is not None:
+                    self.prefix_cache.set_adapter(version, adapter_fingerprint(self.model))
 
     def _insert(self, job: Job) -> None:
         if job.done:  # cancelled before it started
@@ -224,13 +243,20 @@ class Engine:
             presence_penalty=p.presence_penalty or None,
             frequency_penalty=p.frequency_penalty or None,
         )
+        restored = {}
+        if self.prefix_cache is not None:
+            cache, job.cached_tokens = self.prefix_cache.fetch(job.prompt_ids)
+            job.swaps_at_insert = self.stats["swaps"]
+            if cache is not None:  # the prefix's tokens still count for penalties
+                restored = {"caches": [cache], "all_tokens": [job.prompt_ids[:job.cached_tokens]]}
         try:
             (uid,) = self._gen.insert(
-                [job.prompt_ids],
+                [job.prompt_ids[job.cached_tokens:]],
                 max_tokens=[p.max_tokens],
                 samplers=[make_sampler(p.temperature, p.top_p, p.seed)],
                 logits_processors=[processors],
                 stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])],
+                **restored,
             )
         except Exception as e:
             job.done = True
@@ -261,7 +287,16 @@ class Engine:
             if r.finish_reason is not None:
                 del self._jobs[r.uid]
                 job.done = True
+                if self.prefix_cache is not None:  # before the last token: a next turn finds it
+                    self._store(job, r.prompt_cache, r.all_tokens)
             job.deliver(Step(token=token, finish_reason=r.finish_reason))
+
+    def _store(self, job: Job, cache, tokens: list[int]) -> None:
+        """Hand a job's KV (covering exactly `tokens`: prompt + every sampled token) to the
+        prefix cache, if it holds something new and was computed under one adapter version."""
+        if len(tokens) > job.cached_tokens and job.swaps_at_insert == self.stats["swaps"]:
+            prompt_end = min(len(job.prompt_ids), len(tokens))
+            self.prefix_cache.put(list(tokens), cache, [prompt_end, len(tokens)])
 
     def _fail_all(self, message: str) -> None:
         for job in list(getattr(self, "_jobs", {}).values()):

@@ -13,13 +13,19 @@ import asyncio
 import logging
 import time
 
+import orjson
 from aiohttp import web
 
-from rlproxy.appkeys import ENGINE, MODEL, SESSIONS, SETTINGS, STARTED, TRAINABLE
+from rlproxy.appkeys import (
+    ENGINE, MODEL, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER, TRAINING,
+)
 from rlproxy.blas import blas_in_use
 from rlproxy.chat import chat_completions, json_response, served_names
 from rlproxy.engine import Engine
-from rlproxy.model import LoadedModel, load_serving_model
+from rlproxy.judges import LocalJudge, RemoteJudge
+from rlproxy.model import LoadedModel, load_base_model, load_serving_model
+from rlproxy.scorer import Scorer
+from rlproxy.trainer import Trainer, released_turns, training_copy
 from rlproxy.protocol import APIError
 from rlproxy.sessions import SessionStore
 from rlproxy.settings import Settings
@@ -95,8 +101,12 @@ async def healthz(request: web.Request) -> web.Response:
         "blas": blas_in_use(),
         "context_length": model.context_length,
         "engine": dict(engine.stats),
+        "prefix_cache": (engine.prefix_cache.counters() if engine.prefix_cache is not None
+                         else {"enabled": False, "reason": "--no-prefix-cache"}),
         "sessions_open": len(request.app[SESSIONS].open),
-        "trainable_turns_queued": request.app[TRAINABLE].qsize(),
+        "scoring": {**request.app[SCORER].stats, "queued": request.app[SCORER].queue.qsize(),
+                    "method": request.app[SETTINGS].scoring.method},
+        "trainer": trainer_health(request.app),
         "uptime_s": round(time.time() - request.app[STARTED], 1),
     }, status=200 if ok else 503)
 
@@ -130,12 +140,121 @@ async def not_found(request: web.Request) -> web.Response:
                    "OpenAI API under /v1", code="not_found")
 
 
+async def feedback(request: web.Request) -> web.Response:
+    """POST /v1/feedback: an explicit reward for one turn (see scoring.py for how it combines)."""
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, f"could not parse the JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    sid = body.get("session_id")
+    if not isinstance(sid, str) or not sid:
+        raise APIError(400, "session_id (string) is required", param="session_id")
+    reward = body.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not -1 <= reward <= 1:
+        raise APIError(400, "reward must be a number in [-1, 1]", param="reward")
+    comment = body.get("comment")
+    if comment is not None and not isinstance(comment, str):
+        raise APIError(400, "comment must be a string", param="comment")
+    keys = {k: body.get(k) for k in ("turn_uid", "turn_index", "turn_id", "step_index", "turn")}
+    if keys["turn"] not in (None, "last"):
+        raise APIError(400, "turn may only be 'last'", param="turn")
+    if all(v is None for v in keys.values()):
+        raise APIError(400, "name the turn: turn_uid, turn_index, turn_id (+ step_index) or "
+                       "turn: 'last'", param="turn")
+    for k in ("turn_index", "step_index"):
+        if keys[k] is not None and (isinstance(keys[k], bool) or not isinstance(keys[k], int)):
+            raise APIError(400, f"{k} must be an integer", param=k)
+    uid = request.app[SESSIONS].find_turn(
+        sid, uid=keys["turn_uid"], index=keys["turn_index"], turn_id=keys["turn_id"],
+        step_index=keys["step_index"], last=keys["turn"] == "last")
+    if uid is None:
+        raise APIError(404, f"no such turn in session {sid!r} (open or recently closed)",
+                       param="session_id", code="turn_not_found")
+    status = request.app[SCORER].add_feedback(uid, sid, float(reward), comment)
+    return json_response({"object": "feedback", "session_id": sid, "turn_uid": uid,
+                          "reward": float(reward), "status": status})
+
+
+def trainer_health(app: web.Application) -> dict:
+    trainer = app.get(TRAINER)
+    if trainer is None:
+        return {"enabled": False}
+    return {"enabled": True, "alive": trainer.alive, "error": trainer.error,
+            "queued": trainer.inbox.qsize(), "step": trainer.step, **trainer.stats}
+
+
+def trainer_context(settings: Settings):
+    async def ctx(app: web.Application):
+        if not settings.trainer.train:
+            yield
+            return
+        loop, loaded, engine = asyncio.get_running_loop(), app[MODEL], app[ENGINE]
+        model = training_copy(loaded)  # main thread: see engine_context
+        ref = None
+        if settings.trainer.kl_coef > 0:
+            ref, _ = load_base_model(settings.model)
+        trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref)
+        trainer.resume()
+        s = settings.scoring
+        # released before a restart but not trained yet: train them now
+        for scored in released_turns(settings.records.data_dir, s.w_opd, s.w_rl,
+                                     skip=trainer.trained):
+            trainer.submit(scored)
+        trainer.start()
+        app[TRAINER] = trainer
+
+        async def forward():
+            while True:
+                trainer.submit(await app[TRAINING].get())
+
+        task = asyncio.create_task(forward())
+        yield
+        task.cancel()
+        await loop.run_in_executor(None, trainer.stop)
+
+    return ctx
+
+
+def scoring_context(settings: Settings):
+    async def ctx(app: web.Application):
+        s, loop = settings.scoring, asyncio.get_running_loop()
+        engine, model = app[ENGINE], app[MODEL]
+        needs_judge = s.judge and s.method != "opd"
+        needs_local = ((needs_judge or s.method != "rl") and s.judge_url is None) or (
+            s.method != "rl" and s.teacher_url is None)
+        local = None
+        if needs_local:  # a second, adapter-free copy of the base model, on its own thread
+            base, tokenizer = load_base_model(settings.model)
+            local = LocalJudge(base, tokenizer, busy=lambda: engine.stats["active"] > 0,
+                               yield_ms=s.judge_yield_ms)
+        remote = None
+        if s.judge_url or s.teacher_url:
+            remote = RemoteJudge(s.judge_url or s.teacher_url, s.judge_model, s.judge_api_key,
+                                 s.judge_timeout_s, s.judge_retries, teacher_url=s.teacher_url)
+        judge = remote if s.judge_url else local
+        teacher = remote if s.teacher_url else local
+        training: asyncio.Queue = asyncio.Queue()
+        scorer = Scorer(s, settings.records.data_dir, judge, teacher, model.tokenizer,
+                        fsync=settings.records.fsync, on_released=training.put_nowait)
+        app[SCORER], app[TRAINING] = scorer, training
+        task = asyncio.create_task(scorer.run())
+        yield
+        task.cancel()
+        if remote is not None:
+            await remote.close()
+        if local is not None:
+            await loop.run_in_executor(None, local.close)
+
+    return ctx
+
+
 def sessions_context(settings: Settings):
     async def ctx(app: web.Application):
-        queue: asyncio.Queue = asyncio.Queue()
         store = SessionStore(settings.records.data_dir, settings.sessions.session_idle_timeout_s,
-                             fsync=settings.records.fsync, on_trainable=queue.put_nowait)
-        app[SESSIONS], app[TRAINABLE] = store, queue
+                             fsync=settings.records.fsync, on_trainable=app[SCORER].submit)
+        app[SESSIONS] = store
         sweeper = asyncio.create_task(sweep_idle_sessions(store))
         yield
         sweeper.cancel()
@@ -153,17 +272,27 @@ async def sweep_idle_sessions(store: SessionStore) -> None:
 
 def engine_context(settings: Settings, loaded: LoadedModel | None):
     async def ctx(app: web.Application):
-        model = loaded or await asyncio.get_running_loop().run_in_executor(
-            None, load_serving_model, settings.model)
+        from rlproxy.prefix_cache import open_prefix_cache
+
+        loop = asyncio.get_running_loop()
+        # Load on this (main) thread: MLX objects made on a pool thread abort at exit.
+        model = loaded or load_serving_model(settings.model)
+        prefix_cache = None
+        if settings.cache.prefix_cache:  # also MLX work (a weight digest): here too
+            prefix_cache = open_prefix_cache(settings.records.data_dir / "prefix_cache",
+                                             settings.cache, model.model, model.model_id)
         engine = Engine(model.model, model.tokenizer.eos_token_ids,
                         max_batch=settings.engine.max_batch,
-                        prefill_step_size=settings.engine.prefill_step_size)
+                        prefill_step_size=settings.engine.prefill_step_size,
+                        prefix_cache=prefix_cache)
         engine.start()
         app[MODEL], app[ENGINE] = model, engine
         log.info("serving %s (context %d tokens, BLAS: %s)", model.model_id,
                  model.context_length, blas_in_use())
         yield
-        await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        await loop.run_in_executor(None, engine.stop)
+        if prefix_cache is not None:  # after the engine: its last stores are flushed to disk
+            await loop.run_in_executor(None, prefix_cache.close)
 
     return ctx
 
@@ -176,8 +305,10 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.App
     )
     app[SETTINGS] = settings
     app[STARTED] = time.time()
-    app.cleanup_ctx.append(sessions_context(settings))
     app.cleanup_ctx.append(engine_context(settings, loaded))
+    app.cleanup_ctx.append(scoring_context(settings))
+    app.cleanup_ctx.append(trainer_context(settings))
+    app.cleanup_ctx.append(sessions_context(settings))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
@@ -185,5 +316,6 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.App
     app.router.add_get("/v1/sessions", list_sessions)
     app.router.add_get("/v1/sessions/{session_id}", get_session)
     app.router.add_post("/v1/sessions/{session_id}/end", end_session)
+    app.router.add_post("/v1/feedback", feedback)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

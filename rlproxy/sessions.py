@@ -23,7 +23,7 @@ import orjson
 
 from rlproxy.protocol import APIError
 from rlproxy.records import (
-    CONVERSATIONS, PENDING, JsonlWriter, compact_pending, load_pending,
+    CONVERSATIONS, PENDING, JsonlWriter, compact_pending, load_pending, read_jsonl,
 )
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
@@ -195,8 +195,16 @@ class SessionStore:
         self._by_prefix: dict[str, tuple[Session, int]] = {}  # expected-prefix hash -> choice
         self._responses: OrderedDict[str, object] = OrderedDict()
         self._keep_responses = keep_responses
+        # A kill between a turn's record line and its tombstone leaves it in both files: the
+        # record wins. Explicit session ids also continue their turn numbering across restarts.
+        recorded: set[str] = set()
+        self._next_index: dict[str, int] = {}
+        for r in read_jsonl(self.data_dir / CONVERSATIONS):
+            recorded.add(r.get("uid"))
+            sid = r.get("session_id")
+            self._next_index[sid] = max(self._next_index.get(sid, 0), r.get("index", 0) + 1)
         self.conversations = JsonlWriter(self.data_dir / CONVERSATIONS, fsync=fsync)
-        pending = load_pending(self.data_dir / PENDING)
+        pending = [e for e in load_pending(self.data_dir / PENDING) if e["uid"] not in recorded]
         compact_pending(self.data_dir / PENDING, pending)
         self.journal = JsonlWriter(self.data_dir / PENDING, fsync=fsync)
         for entry in pending:
@@ -215,7 +223,8 @@ class SessionStore:
         if tags.session_id is not None:
             session = self.open.get(tags.session_id)
             if session is None:
-                session = Session(tags.session_id, inferred=False)
+                session = Session(tags.session_id, inferred=False,
+                                  turn_count=self._next_index.pop(tags.session_id, 0))
                 self.open[session.id] = session
         else:
             session = self._match(hashes)
@@ -315,6 +324,26 @@ class SessionStore:
     def find(self, session_id: str) -> Session | None:
         return self.open.get(session_id) or next(
             (s for s in reversed(self.closed) if s.id == session_id), None)
+
+    def find_turn(self, session_id: str, *, uid: str | None = None, index: int | None = None,
+                  turn_id: str | None = None, step_index: int | None = None,
+                  last: bool = False) -> str | None:
+        """The uid of one turn of an open or recently closed session, or None."""
+        session = self.find(session_id)
+        if session is None:
+            return None
+        turns = session.turns + ([session.pending.summary()] if session.pending else [])
+        turns = sorted(turns, key=lambda t: t["index"])
+        if last:
+            main = [t for t in turns if t["turn_type"] == "main"]
+            return main[-1]["uid"] if main else None
+        for t in turns:
+            if ((uid is not None and t["uid"] == uid)
+                    or (index is not None and t["index"] == index)
+                    or (turn_id is not None and t["turn_id"] == turn_id
+                        and (step_index is None or t["step_index"] == step_index))):
+                return t["uid"]
+        return None
 
     # ---- idempotency (X-Request-Id) ----
 

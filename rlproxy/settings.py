@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -56,6 +56,80 @@ class EngineSettings(Section):
     )
 
 
+class CacheSettings(Section):
+    prefix_cache: bool = True
+    prefix_cache_disk_limit_gb: float = Field(4.0, gt=0)
+    prefix_cache_memory_mb: float = Field(512.0, ge=0)
+    prefix_block_tokens: int = Field(256, ge=16, description="prefix hashes cover whole blocks")
+    kv_bits: int | None = Field(None, description="quantize the KV cache to 4 or 8 bits")
+    kv_group_size: int = Field(64, ge=16)
+    quantized_kv_start: int = Field(0, ge=0)
+
+    @field_validator("kv_bits")
+    @classmethod
+    def _bits(cls, v):
+        if v is not None and v not in (4, 8):
+            raise ValueError(f"kv_bits must be 4 or 8 (or unset), not {v}")
+        return v
+
+
+PRM_PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prm_prompts"
+
+
+class ScoringSettings(Section):
+    method: Literal["rl", "opd", "combine"] = "rl"
+    judge: bool = True  # False: rewards come only from feedback and reward functions
+    prm_m: int = Field(3, ge=1, description="judge votes per turn")
+    prm_temperature: float = Field(0.6, ge=0, le=2)
+    prm_max_tokens: int = Field(256, ge=8)
+    prm_max_context_chars: int = Field(4000, ge=200, description="trim the user request")
+    prm_prompts: Path = PRM_PROMPTS_DIR
+    w_opd: float = 1.0
+    w_rl: float = 1.0
+    at_least_one: bool = True
+    feedback_mode: Literal["override", "add"] = "override"
+    reward_functions: list[str] = []  # "module:function", called with (turn, next_state)
+    judge_url: str | None = None  # an OpenAI-compatible /v1 URL; None: the local base model
+    judge_model: str = "default"
+    judge_api_key: str | None = None
+    teacher_url: str | None = None  # needs prompt log-probs (vLLM); None: the local base model
+    judge_timeout_s: float = Field(60.0, gt=0)
+    judge_retries: int = Field(3, ge=0)
+    judge_concurrency: int = Field(4, ge=1)
+    judge_yield_ms: float = Field(
+        20.0, ge=0, description="local judge: pause per token while live requests decode")
+
+    @field_validator("reward_functions")
+    @classmethod
+    def _module_function(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if name.count(":") != 1 or not all(name.split(":")):
+                raise ValueError(f"reward function {name!r} must look like 'module:function'")
+        return v
+
+
+class TrainerSettings(Section):
+    train: bool = True  # False (--no-train): serve, record and score, never update the adapter
+    loss_fn: Literal["ppo", "importance_sampling", "cispo", "dro", "cross_entropy"] = "ppo"
+    eps_low: float = Field(0.2, ge=0, le=1)
+    eps_high: float = Field(0.28, ge=0)
+    dro_beta: float = Field(0.1, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base model (0: off)")
+    learning_rate: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    batch_size: int = Field(4, ge=1, description="scored turns per optimizer step")
+    train_epochs: int = Field(1, ge=1, description="optimizer steps per batch")
+    max_context_tokens: int = Field(16384, ge=16, description="longer turns are skipped")
+    grad_clip: float = Field(1.0, ge=0, description="max gradient norm (0: off)")
+    grad_checkpoint: bool = False
+    baseline: Literal["none", "mean"] = "mean"
+    save_interval: int = Field(10, ge=1)
+    keep_checkpoints: int = Field(3, ge=1)
+    resume: bool = True
+    duty_cycle: float = Field(
+        0.5, gt=0, le=1, description="share of time training may take while requests decode")
+
+
 class RecordSettings(Section):
     data_dir: Path = Path.home() / ".rlproxy"
     fsync: bool = True  # fsync every record line: an acknowledged turn survives power loss too
@@ -70,6 +144,9 @@ class Settings(Section):
     server: ServerSettings = ServerSettings()
     model: ModelSettings = ModelSettings()
     engine: EngineSettings = EngineSettings()
+    cache: CacheSettings = CacheSettings()
+    scoring: ScoringSettings = ScoringSettings()
+    trainer: TrainerSettings = TrainerSettings()
     records: RecordSettings = RecordSettings()
     sessions: SessionSettings = SessionSettings()
 

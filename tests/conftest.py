@@ -23,11 +23,11 @@ from rlproxy.server import create_app
 from rlproxy.settings import ModelSettings, load_settings
 
 
-class ServerThread:
-    """The real app, served on 127.0.0.1:<free port> from a background event loop."""
+class AppThread:
+    """An aiohttp app served on 127.0.0.1:<free port> from a background event loop."""
 
-    def __init__(self, settings, loaded=None):
-        self.settings, self.loaded = settings, loaded
+    def __init__(self, make_app):
+        self.make_app = make_app
         self.loop = asyncio.new_event_loop()
         self.started = threading.Event()
         self.error: BaseException | None = None
@@ -47,7 +47,7 @@ class ServerThread:
         self.loop.close()
 
     async def _start(self):
-        self.app = create_app(self.settings, self.loaded)
+        self.app = self.make_app()
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -69,6 +69,14 @@ class ServerThread:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+
+class ServerThread(AppThread):
+    """The real rlproxy app on a free port; `client()` gives the real openai SDK pointed at it."""
+
+    def __init__(self, settings, loaded=None):
+        self.settings, self.loaded = settings, loaded
+        super().__init__(lambda: create_app(settings, loaded))
+
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
@@ -83,7 +91,10 @@ class ServerThread:
 
 
 def make_settings(tmp_path: Path, **flags):
-    return load_settings({"data_dir": str(tmp_path), **flags}, environ={})
+    # Short judge answers: the tiny model's votes are noise anyway, and tests stay fast.
+    # No training unless a test asks: others compare against the unchanged adapter.
+    defaults = {"data_dir": str(tmp_path), "prm_max_tokens": 16, "train": False}
+    return load_settings({**defaults, **flags}, environ={})
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 import requests
 
-from rlproxy.appkeys import TRAINABLE
+from rlproxy.appkeys import SCORER
 
 from conftest import TOOL_PROMPT, TOOLS, ServerThread, make_settings, read_records
 
@@ -145,11 +145,10 @@ def test_side_turns_are_recorded_but_never_queued_for_training(fresh):
     records = read_records(fresh.settings.records.data_dir)
     assert sorted(r["turn_type"] for r in records) == ["main", "main", "side", "side"]
     assert all(r["trainable"] == (r["turn_type"] == "main") for r in records)
-    health = requests.get(fresh.url + "/healthz").json()
-    assert health["trainable_turns_queued"] == 2  # the two main turns, no side turn
-    queue = fresh.app[TRAINABLE]
-    queued = [queue.get_nowait() for _ in range(queue.qsize())]
-    assert [r["turn_type"] for r in queued] == ["main", "main"]
+    side = {r["uid"] for r in records if r["turn_type"] == "side"}
+    main = {r["uid"] for r in records if r["turn_type"] == "main"}
+    scorer = fresh.app[SCORER]
+    assert scorer.known == main and not side & scorer.known  # side turns never queued
 
 
 def test_opt_out_is_served_and_never_written(fresh):

@@ -1,0 +1,79 @@
+"""Trainer checkpoints on disk, and fusing an adapter into a model.
+
+A checkpoint is a directory `step_000123/` holding the adapter in mlx-lm's format
+(`adapters.safetensors` + `adapter_config.json`, so `mlx_lm.load(model, adapter_path=...)` opens
+it), the optimizer state (`optimizer.safetensors`) and `trainer_state.json` (step, adapter version,
+settings). It is written into a temp directory and renamed, so a directory named `step_*` is
+always complete; `trainer_state.json` is written last and its presence is checked anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+STATE = "trainer_state.json"
+
+
+def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.array],
+                    optimizer_state, lora_config: dict, settings: dict, keep: int) -> Path:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+    try:
+        mx.save_safetensors(str(tmp / "adapters.safetensors"), adapter)
+        (tmp / "adapter_config.json").write_text(json.dumps(lora_config, indent=2))
+        flat = {k: v for k, v in tree_flatten(optimizer_state) if isinstance(v, mx.array)}
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), flat)
+        (tmp / STATE).write_text(json.dumps(
+            {"step": step, "adapter_version": version, "settings": settings}, indent=2,
+            default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Oldest first; only directories whose last-written file exists."""
+    root = Path(root)
+    if not root.exists():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and (p / STATE).exists())
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, mx.array], dict, dict]:
+    """(adapter weights, optimizer state tree, trainer state)."""
+    path = Path(path)
+    adapter = mx.load(str(path / "adapters.safetensors"))
+    optimizer = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
+    return adapter, optimizer, json.loads((path / STATE).read_text())
+
+
+def fuse(model_source: str, adapter_dir: Path, out_dir: Path) -> Path:
+    """Merge the adapter into the base weights and save a plain model `mlx_lm.load` opens."""
+    import mlx_lm
+    from mlx_lm.utils import save
+
+    model, tokenizer, config = mlx_lm.load(model_source, adapter_path=str(adapter_dir),
+                                           return_config=True)
+    fused = [(name, module.fuse()) for name, module in model.named_modules()
+             if hasattr(module, "fuse")]
+    model.update_modules(tree_unflatten(fused))
+    save(Path(out_dir), model_source, model, tokenizer, config)
+    return Path(out_dir)

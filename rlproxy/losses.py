@@ -1,0 +1,76 @@
+"""Policy losses over completion tokens: pure functions of arrays, nothing else.
+
+Every loss takes, per token (shape (T,) or (B, T)):
+  logp   log-prob of the sampled token under the policy being trained (temperature 1)
+  old    the recorded behaviour log-prob (the same temperature-1 quantity, from the engine)
+  adv    the advantage A_t
+  mask   1 for completion tokens to train on, 0 for prompt and padding
+and returns the *sum* over masked tokens. The trainer divides by the number of completion tokens
+in the whole optimizer batch (the normaliser N = sum of masks over the batch), so a long
+completion weighs as many tokens as it has, and splitting a batch into micro-batches does not
+change the gradient. With rho = exp(logp - old):
+
+  importance_sampling  -sum rho * A
+  ppo                  -sum min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
+  cispo                -sum sg(clip(rho, 1 - eps_low, 1 + eps_high)) * A * logp
+                       (MiniMax-M1: the clipped weight carries no gradient, every token keeps
+                       its logp gradient)
+  dro                  -sum (logp * A - beta / 2 * (logp - old)^2)
+  cross_entropy        -sum logp            (plain SFT on the completion; A is ignored)
+  kl (penalty, added)  coef * sum (exp(ref - logp) - (ref - logp) - 1)   (k3 estimator, >= 0)
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+LOSSES = ("ppo", "importance_sampling", "cispo", "dro", "cross_entropy")
+
+
+def ratio(logp: mx.array, old: mx.array, mask: mx.array) -> mx.array:
+    # Masked positions get rho = 1, so a huge logp - old there can never make inf * 0 = NaN.
+    return mx.exp(mx.where(mask > 0, logp - old, 0.0))
+
+
+def importance_sampling(logp, old, adv, mask, **_):
+    return -(ratio(logp, old, mask) * adv * mask).sum()
+
+
+def ppo(logp, old, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28, **_):
+    rho = ratio(logp, old, mask)
+    clipped = mx.clip(rho, 1 - eps_low, 1 + eps_high)
+    return -(mx.minimum(rho * adv, clipped * adv) * mask).sum()
+
+
+def cispo(logp, old, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28, **_):
+    weight = mx.stop_gradient(mx.clip(ratio(logp, old, mask), 1 - eps_low, 1 + eps_high))
+    return -(weight * adv * logp * mask).sum()
+
+
+def dro(logp, old, adv, mask, beta: float = 0.1, **_):
+    return -((logp * adv - 0.5 * beta * (logp - old) ** 2) * mask).sum()
+
+
+def cross_entropy(logp, old, adv, mask, **_):
+    return -(logp * mask).sum()
+
+
+def kl_penalty(logp, ref, mask) -> mx.array:
+    """Summed k3 estimate of KL(policy || reference); unbiased and never negative."""
+    d = ref - logp
+    return ((mx.exp(d) - d - 1) * mask).sum()
+
+
+def policy_loss(name: str):
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
+    return {"ppo": ppo, "importance_sampling": importance_sampling, "cispo": cispo,
+            "dro": dro, "cross_entropy": cross_entropy}[name]
+
+
+def token_logprobs(model, ids: mx.array, targets: mx.array) -> mx.array:
+    """log p(targets[t] | ids[..t]) at temperature 1, the same quantity the engine records.
+    ids: (B, T) inputs, targets: (B, T) next tokens -> (B, T)."""
+    logits = model(ids).astype(mx.float32)
+    return mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - mx.logsumexp(
+        logits, axis=-1)

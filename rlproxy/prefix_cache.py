@@ -1,0 +1,606 @@
+"""The prefix KV store: prompt KV state kept in memory and on disk, found by longest prefix.
+
+Agent prompts are long and mostly repeated (system prompt, tool schemas, the conversation so far),
+so the engine asks this store for the longest stored prefix of each new prompt and prefills only
+the rest. This module owns the entries, their index, an in-memory LRU, a `diskcache` directory
+(`<data_dir>/prefix_cache/`), one writer thread and the counters /healthz shows. It does not own
+the model or the decode loop: engine.py decides when to look up and when to store.
+
+- **Entry**: the KV state (every layer's keys and values) of one token sequence, a request's
+  prompt + completion. At a request's end mlx-lm's BatchGenerator holds KV for the prompt and
+  *every* sampled token, the last one included (it runs the forward pass on a token before it
+  returns it; checked against a from-scratch pass), so an entry covers all of `all_tokens`.
+  Namespaced by model identity (id + a sample of the base weights), KV settings and adapter
+  (version + a fingerprint of the LoRA weights, so a restart that reuses a version number with
+  other weights never matches). An entry whose tokens are a prefix of a newer one is dropped:
+  a session keeps one entry that grows turn by turn.
+- **Lookup**: chained hashes of fixed-size token blocks (`prefix_block_tokens`) find the entries
+  sharing the most whole blocks with the prompt; hashes of each entry's turn boundaries (prompt
+  end, completion end, earlier turns') find exact-length prefixes inside a block. The chosen
+  entry's own tokens then give the exact common prefix; the entry is trimmed to it
+  (`trim_prompt_cache`), leaving at least one prompt token to prefill. Every restore builds
+  fresh arrays: a request never shares KV with another.
+- **Writes** happen on the writer thread: the engine thread only evaluates the extracted KV
+  (MLX arrays must be evaluated on the thread that built them) and queues it; serialization,
+  quantization, hashing and disk IO run there. A full queue drops the write, never blocks decode.
+  Until the writer has indexed it, a queued write serves lookups from its own arrays, so an
+  agent's next request that arrives within milliseconds still hits.
+- **Integrity**: each blob carries a magic, its length and a CRC-32; a truncated or altered
+  entry (e.g. after a crash) is counted, deleted and never served.
+- **Eviction**: the disk budget covers the entries plus diskcache's SQLite file (not its WAL).
+  Publishing adapter version v deletes entries of older versions (never served again); under
+  budget pressure entries of any other namespace go first, then diskcache culls the least
+  recently used. One server per data directory.
+- **KV quantization** (`--kv-bits`, `--kv-group-size`, `--quantized-kv-start`) applies to
+  *stored entries only*: entries of at least `quantized_kv_start` tokens are kept quantized in
+  memory and on disk (4-8x smaller) and dequantized on restore, so their output is close to,
+  not equal to, output from scratch. Live decoding always keeps full-precision KV: mlx-lm 0.32's
+  BatchGenerator has no kv_bits option and cannot batch a QuantizedKVCache (no `merge`).
+- Models whose cache layers are not all plain `KVCache` (sliding windows, SSM state) are not
+  cached; /healthz says so.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import itertools
+import json
+import logging
+import queue
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import diskcache
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
+
+from rlproxy.settings import CacheSettings
+
+log = logging.getLogger("rlproxy.prefix_cache")
+
+MAGIC = b"RLPKV\x00\x01\x00"  # + u64 body length + u32 CRC-32 of the body
+FORMAT = 1
+MAX_ENDS = 32  # turn boundaries remembered per entry
+MAX_PENDING = 8  # queued writes hold KV arrays in memory; past this a write is dropped
+CANDIDATES = 3  # entries tried per lookup when the best ones turn out corrupt or gone
+LIVE_KV = ("full precision: mlx-lm's BatchGenerator has no kv_bits and cannot batch a "
+           "QuantizedKVCache, so --kv-bits applies to stored entries only")
+
+
+class CorruptEntry(Exception):
+    pass
+
+
+# ---- hashing ----
+
+def _digest(*parts, person: bytes) -> str:
+    h = hashlib.blake2b(digest_size=8, person=person)
+    for p in parts:
+        h.update(p)
+    return h.hexdigest()
+
+
+def block_hashes(ns: str, tokens: np.ndarray, block: int) -> list[str]:
+    """[h0, h1, ...]: h_k commits to the namespace and tokens[:k * block] (chained)."""
+    out, raw, step = [_digest(ns.encode(), person=b"ns")], tokens.tobytes(), block * 4
+    for k in range(len(tokens) // block):
+        out.append(_digest(out[-1].encode(), raw[k * step:(k + 1) * step], person=b"block"))
+    return out
+
+
+def end_hash(hashes: list[str], tokens: np.ndarray, block: int, length: int) -> str:
+    """The hash of exactly tokens[:length] (a turn boundary), from the block chain."""
+    k = length // block
+    return _digest(hashes[k].encode(), tokens[k * block:length].tobytes(), person=b"end")
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def adapter_fingerprint(model: nn.Module) -> str:
+    """A digest of every trainable (LoRA) weight. Call it on the thread that owns the model."""
+    params = tree_flatten(model.trainable_parameters())
+    mx.eval([a for _, a in params])
+    h = hashlib.blake2b(digest_size=8, person=b"adapter")
+    for name, a in params:
+        h.update(name.encode())
+        h.update(memoryview(a))
+    return h.hexdigest()
+
+
+def model_key(model: nn.Module, model_id: str) -> str:
+    """The base model's identity: its id plus names, shapes and the first values of each frozen
+    weight (cheap, and enough to tell regenerated or fine-tuned weights apart)."""
+    trainable = {name for name, _ in tree_flatten(model.trainable_parameters())}
+    h = hashlib.blake2b(digest_size=8, person=b"model")
+    for name, a in tree_flatten(model.parameters()):
+        if name not in trainable:
+            head = mx.contiguous(a.reshape(-1)[:64])
+            mx.eval(head)
+            h.update(f"{name}{a.shape}{a.dtype}".encode())
+            h.update(memoryview(head))
+    return f"{model_id}@{h.hexdigest()}"
+
+
+# ---- entries: keys and blobs ----
+
+@dataclass
+class Entry:
+    base: str  # model identity + KV settings
+    version: int  # adapter version
+    ns: str  # base + adapter version + adapter fingerprint: what a lookup must match
+    length: int
+    nbytes: int
+    blocks: tuple[str, ...]  # h1 .. h_{length // block}
+    ends: tuple[tuple[int, str], ...]  # (length, end_hash) per turn boundary, ascending
+    seq: int = 0  # recency: newer wins ties and survives stale eviction longer
+
+    @property
+    def key(self) -> str:
+        # Everything the index needs lives in the diskcache key, so a restart rebuilds the index
+        # from the keys alone, and an eviction removes key and value together.
+        ends = ",".join(f"{n}:{h}" for n, h in self.ends)
+        return (f"kv{FORMAT}|{self.base}|{self.version}|{self.ns}|{self.length}|{self.nbytes}|"
+                f"{''.join(self.blocks)}|{ends}")
+
+    @classmethod
+    def parse(cls, key) -> Entry | None:
+        try:
+            tag, base, version, ns, length, nbytes, blocks, ends = key.split("|")
+            if tag != f"kv{FORMAT}" or len(blocks) % 16:
+                return None
+            return cls(base, int(version), ns, int(length), int(nbytes),
+                       tuple(blocks[i:i + 16] for i in range(0, len(blocks), 16)),
+                       tuple((int(n), h) for n, h in (e.split(":") for e in ends.split(","))))
+        except (AttributeError, ValueError):
+            return None
+
+
+def _dtype_name(a: mx.array) -> str:
+    return str(a.dtype).rsplit(".", 1)[-1]
+
+
+def pack(tokens: np.ndarray, arrays: list[mx.array], meta: dict) -> bytes:
+    """One entry as bytes: MAGIC, body length, CRC-32, then header JSON, tokens, raw arrays."""
+    header = json.dumps({**meta, "arrays": [[_dtype_name(a), list(a.shape)] for a in arrays]})
+    header = header.encode()
+    parts = [struct.pack("<I", len(header)), header, tokens.astype(np.int32).tobytes(),
+             *(memoryview(a) for a in arrays)]  # evaluated, contiguous: raw bytes, bf16 too
+    crc, size = 0, 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+        size += memoryview(p).nbytes
+    return b"".join([MAGIC, struct.pack("<QI", size, crc), *parts])
+
+
+def unpack(blob: bytes, verify: bool) -> tuple[np.ndarray, dict, list[mx.array]]:
+    """Parse a blob into (tokens, meta, fresh arrays); raise CorruptEntry on any damage."""
+    try:
+        if blob[:8] != MAGIC:
+            raise CorruptEntry("bad magic")
+        size, crc = struct.unpack_from("<QI", blob, 8)
+        body = memoryview(blob)[20:]
+        if len(body) != size:
+            raise CorruptEntry(f"length {len(body)} != {size} (truncated?)")
+        if verify and zlib.crc32(body) != crc:
+            raise CorruptEntry("checksum mismatch")
+        (hlen,) = struct.unpack_from("<I", body, 0)
+        meta = json.loads(bytes(body[4:4 + hlen]))
+        offset = 4 + hlen
+        tokens = np.frombuffer(body, np.int32, meta["length"], offset)
+        offset += tokens.nbytes
+        arrays = []
+        for dtype, shape in meta["arrays"]:
+            raw = np.frombuffer(body, np.uint16 if dtype == "bfloat16" else np.dtype(dtype),
+                                int(np.prod(shape)), offset).reshape(shape)
+            offset += raw.nbytes
+            a = mx.array(raw)  # a copy: the request owns it
+            arrays.append(a.view(mx.bfloat16) if dtype == "bfloat16" else a)
+        if offset != len(body):
+            raise CorruptEntry("trailing bytes")
+        return tokens, meta, arrays
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CorruptEntry(f"unreadable: {e}") from None
+
+
+def to_kv_cache(meta: dict, arrays: list[mx.array]) -> list[KVCache]:
+    quant = meta["quant"]  # [group_size, bits] or None
+    per_layer = 6 if quant else 2
+    caches = []
+    for i in range(0, len(arrays), per_layer):
+        if quant:
+            group, bits = quant
+            keys = mx.dequantize(*arrays[i:i + 3], group_size=group, bits=bits)
+            values = mx.dequantize(*arrays[i + 3:i + 6], group_size=group, bits=bits)
+        else:
+            keys, values = arrays[i:i + 2]
+        c = KVCache()
+        c.state = (keys, values, keys.shape[2])
+        caches.append(c)
+    return caches
+
+
+# ---- the store ----
+
+class PrefixCache:
+    """Thread use: `set_adapter`, `fetch` and `put` on the engine thread; `counters` anywhere;
+    everything that writes runs on the store's own writer thread."""
+
+    def __init__(self, directory: str | Path, settings: CacheSettings, model_identity: str,
+                 unsupported: str | None = None):
+        self.directory = Path(directory)
+        self.block = settings.prefix_block_tokens
+        self.quant = [settings.kv_group_size, settings.kv_bits] if settings.kv_bits else None
+        self.quantized_kv_start = settings.quantized_kv_start
+        start = self.quantized_kv_start if self.quant else 0
+        kv = json.dumps({"quant": self.quant, "start": start})
+        self.base = _digest(model_identity.encode(), kv.encode(), person=b"base")
+        self.unsupported = unsupported
+        self.disk_limit = int(settings.prefix_cache_disk_limit_gb * 1024**3)
+        self.memory_limit = int(settings.prefix_cache_memory_mb * 1024**2)
+        self.version, self.ns = 0, None  # set by the engine (set_adapter) before any lookup
+        self._lock = threading.Lock()  # index, memory LRU, counters
+        self._entries: dict[str, Entry] = {}
+        self._by_block: dict[str, set[str]] = {}  # block hash -> keys of entries containing it
+        self._short: dict[str, set[str]] = {}  # ns -> keys with a boundary inside the 1st block
+        self._memory: OrderedDict[str, bytes] = OrderedDict()
+        self._memory_bytes = 0
+        self._seq = 0
+        self._pending: dict[int, tuple[str, np.ndarray, list[mx.array]]] = {}  # queued writes
+        self._write_ids = itertools.count()
+        self.stats = dict.fromkeys(
+            ["lookups", "hits", "memory_hits", "disk_hits", "misses", "cached_tokens",
+             "stores", "dropped_writes", "corrupt", "evicted_stale", "evicted_budget",
+             "bytes_written", "bytes_read", "errors"], 0)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._disk = diskcache.Cache(
+            str(self.directory), size_limit=self.disk_limit, cull_limit=0,  # we cull, after
+            eviction_policy="least-recently-used", disk_min_file_size=0,  # every entry a file
+        )
+        self._disk_bytes = self._disk.volume()
+        self._scan()
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="rlproxy-prefix-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    # ---- engine thread ----
+
+    def set_adapter(self, version: int, fingerprint: str) -> None:
+        """The engine now serves this adapter: look up and store under it only."""
+        self.version = version
+        self.ns = _digest(self.base.encode(), f"{version}:{fingerprint}".encode(), person=b"ns")
+        self._queue.put(("stale", version))
+
+    def fetch(self, prompt: list[int]) -> tuple[list[KVCache] | None, int]:
+        """(a fresh cache holding the longest stored prefix of prompt, its length) or (None, 0).
+        At least one prompt token is always left to prefill."""
+        if self.unsupported or self.ns is None or len(prompt) < 2:
+            return None, 0
+        try:
+            return self._fetch(np.asarray(prompt, dtype=np.int32))
+        except Exception:  # a bug here costs speed, never the request
+            log.exception("prefix cache lookup failed")
+            self._count(errors=1, misses=1)
+            return None, 0
+
+    def put(self, tokens: list[int], cache: list, ends: list[int]) -> None:
+        """Queue a finished request's KV (covering exactly `tokens`) for storing; `ends` are its
+        turn boundaries (prompt end, completion end)."""
+        if self.unsupported or self.ns is None or len(tokens) < 2:
+            return
+        if self._queue.qsize() >= MAX_PENDING:
+            self._count(dropped_writes=1)
+            return
+        n = len(tokens)
+        if any(c.offset != n for c in cache):
+            log.warning("KV length %s != %d tokens: not stored", [c.offset for c in cache], n)
+            self._count(errors=1)
+            return
+        arrays = []
+        for c in cache:
+            for a in (c.keys, c.values):
+                arrays.append(a if a.shape[2] == n else mx.contiguous(a[..., :n, :]))
+        mx.eval(arrays)  # here, on the thread that built them; the writer only reads them
+        write_id, tokens = next(self._write_ids), np.asarray(tokens, np.int32)
+        with self._lock:
+            self._pending[write_id] = (self.ns, tokens, arrays)
+        self._queue.put(("put", write_id, self.ns, self.version, tokens, arrays, ends))
+
+    def _fetch(self, prompt: np.ndarray):
+        ns = self.ns
+        hashes = block_hashes(ns, prompt, self.block)
+        with self._lock:
+            self.stats["lookups"] += 1
+            ranked = self._rank(ns, prompt, hashes)
+            queued = [(common_prefix(t, prompt), t, arrays)
+                      for q_ns, t, arrays in self._pending.values() if q_ns == ns]
+        best = max(queued, key=lambda q: q[0], default=None)
+        if best is not None and best[0] >= max(1, ranked[0][0] if ranked else 0):
+            n, tokens, arrays = min(best[0], len(prompt) - 1), best[1], best[2]
+            if n >= 1:  # fresh cache objects over evaluated arrays nobody mutates
+                cache = to_kv_cache({"quant": None}, arrays)
+                trim_prompt_cache(cache, len(tokens) - n)
+                self._count(hits=1, memory_hits=1, cached_tokens=n)
+                return cache, n
+        for _score, _seq, key in ranked[:CANDIDATES]:
+            loaded = self._load(key, ns)
+            if loaded is None:
+                continue
+            tokens, cache = loaded
+            n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+            if n < 1:
+                continue
+            trim_prompt_cache(cache, len(tokens) - n)
+            self._count(hits=1, cached_tokens=n)
+            return cache, n
+        self._count(misses=1)
+        return None, 0
+
+    def _rank(self, ns: str, prompt: np.ndarray, hashes: list[str]):
+        """Candidate entries, best first: (tokens known to match, recency, key). Lock held."""
+        level, keys = 0, self._short.get(ns, set())
+        for k in range(len(hashes) - 1, 0, -1):  # the deepest block any entry shares
+            if hashes[k] in self._by_block:
+                level, keys = k, self._by_block[hashes[k]]
+                break
+        ranked = []
+        for key in keys:
+            e = self._entries[key]
+            score = level * self.block
+            for n, h in e.ends:  # an exact turn boundary inside the next block beats the block
+                if score < n <= len(prompt) and n // self.block == level \
+                        and h == end_hash(hashes, prompt, self.block, n):
+                    score = n
+            if score:
+                ranked.append((score, e.seq, key))
+        return sorted(ranked, reverse=True)
+
+    def _load(self, key: str, ns: str):
+        with self._lock:
+            blob = self._memory.get(key)
+            if blob is not None:
+                self._memory.move_to_end(key)
+        where = "memory" if blob is not None else "disk"
+        if blob is None:
+            blob = self._disk.get(key)
+            if blob is None:  # culled or deleted behind the index's back
+                with self._lock:
+                    self._drop(key)
+                return None
+        try:
+            tokens, meta, arrays = unpack(blob, verify=where == "disk")
+            if meta["ns"] != ns or len(tokens) != Entry.parse(key).length:
+                raise CorruptEntry("header does not match its key")
+        except CorruptEntry as e:
+            log.warning("prefix cache entry ignored and deleted (%s): %s", where, e)
+            self._count(corrupt=1)
+            with self._lock:
+                self._drop(key)
+            self._queue.put(("delete", key))
+            return None
+        if where == "disk":
+            with self._lock:
+                self._remember(key, blob)
+            self._count(disk_hits=1, bytes_read=len(blob))
+        else:
+            self._count(memory_hits=1)
+        return tokens, to_kv_cache(meta, arrays)
+
+    # ---- writer thread ----
+
+    def _write_loop(self) -> None:
+        stream = mx.new_stream(mx.default_device())  # MLX streams are per thread
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    break
+                if item[0] == "put":
+                    self._write(stream, *item[2:])
+                elif item[0] == "stale":
+                    self._evict_versions(item[1])
+                elif item[0] == "delete":
+                    self._disk.delete(item[1])
+            except Exception:
+                log.exception("prefix cache write failed")
+                self._count(errors=1)
+            finally:
+                if item is not None and item[0] == "put":
+                    with self._lock:
+                        self._pending.pop(item[1], None)  # indexed now, or failed
+                item = None  # free the KV arrays here, not while waiting for the next item
+                self._queue.task_done()
+        self._disk.close()  # this thread's SQLite connection
+        gc.collect()
+        mx.synchronize(stream)
+
+    def _write(self, stream, ns: str, version: int, tokens: np.ndarray, arrays: list, ends):
+        n = len(tokens)
+        quant = self.quant if self.quant and n >= self.quantized_kv_start else None
+        if quant:
+            with mx.stream(stream):
+                arrays = [q for a in arrays
+                          for q in mx.quantize(a, group_size=quant[0], bits=quant[1])]
+                mx.eval(arrays)
+        blob = pack(tokens, arrays, {"format": FORMAT, "ns": ns, "version": version,
+                                     "length": n, "quant": quant})
+        arrays = None
+        hashes = block_hashes(ns, tokens, self.block)
+        with self._lock:  # entries this one extends are superseded; keep their boundaries
+            older = [e for e in self._entries.values() if e.ns == ns and e.length <= n
+                     and e.ends[-1][1] == end_hash(hashes, tokens, self.block, e.length)]
+        lengths = {x for x in ends if 0 < x <= n} | {n}
+        lengths |= {x for e in older for x, _ in e.ends}
+        self._seq += 1
+        entry = Entry(self.base, version, ns, n, len(blob), tuple(hashes[1:]),
+                      tuple((x, end_hash(hashes, tokens, self.block, x))
+                            for x in sorted(lengths)[-MAX_ENDS:]), seq=self._seq)
+        key = entry.key
+        with self._lock:
+            self._add(entry)
+            self._remember(key, blob)
+            for e in older:
+                if e.key != key:
+                    self._drop(e.key)
+            self.stats["stores"] += 1
+        for e in older:
+            if e.key != key:
+                self._disk.delete(e.key)
+        if len(blob) + 64 * 1024 > self.disk_limit:
+            return  # larger than the whole disk budget: memory only
+        self._make_room(len(blob))
+        self._disk.set(key, blob)
+        self._count(bytes_written=len(blob))
+        culled = self._disk.cull()
+        if culled:
+            self._count(evicted_budget=culled)
+            self._forget_missing()
+        self._disk_bytes = self._disk.volume()
+
+    def _make_room(self, size: int) -> None:
+        """Entries of other namespaces (older adapters, other models or KV settings) go first."""
+        if self._disk.volume() + size <= self.disk_limit:
+            return
+        with self._lock:
+            stale = sorted((e for e in self._entries.values() if e.ns != self.ns),
+                           key=lambda e: e.seq)
+        for e in stale:
+            self._disk.delete(e.key)
+            with self._lock:
+                self._drop(e.key)
+            self._count(evicted_stale=1)
+            if self._disk.volume() + size <= self.disk_limit:
+                return
+
+    def _evict_versions(self, version: int) -> None:
+        """Versions older than the one now served are never served again: delete them."""
+        with self._lock:
+            old = [e for e in self._entries.values() if e.base == self.base and e.version < version]
+            for e in old:
+                self._drop(e.key)
+            self.stats["evicted_stale"] += len(old)
+        for e in old:
+            self._disk.delete(e.key)
+        self._disk_bytes = self._disk.volume()
+
+    def _forget_missing(self) -> None:
+        on_disk = set(self._disk.iterkeys())
+        with self._lock:
+            for key in [k for k in self._entries if k not in on_disk and k not in self._memory]:
+                self._drop(key)
+
+    # ---- index and memory LRU (lock held) ----
+
+    def _scan(self) -> None:
+        for key in list(self._disk.iterkeys()):
+            entry = Entry.parse(key)
+            if entry is None:
+                self._disk.delete(key)  # not ours, or an older format
+            else:
+                self._add(entry)
+
+    def _add(self, e: Entry) -> None:
+        self._entries[e.key] = e
+        for h in e.blocks:
+            self._by_block.setdefault(h, set()).add(e.key)
+        if e.ends[0][0] < self.block:
+            self._short.setdefault(e.ns, set()).add(e.key)
+
+    def _drop(self, key: str) -> None:
+        e = self._entries.pop(key, None)
+        if e is not None:
+            for h in e.blocks:
+                keys = self._by_block.get(h)
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del self._by_block[h]
+            self._short.get(e.ns, set()).discard(key)
+        blob = self._memory.pop(key, None)
+        if blob is not None:
+            self._memory_bytes -= len(blob)
+
+    def _remember(self, key: str, blob: bytes) -> None:
+        if len(blob) > self.memory_limit:
+            return
+        old = self._memory.pop(key, None)
+        self._memory_bytes += len(blob) - (len(old) if old is not None else 0)
+        self._memory[key] = blob
+        while self._memory_bytes > self.memory_limit:
+            _, evicted = self._memory.popitem(last=False)
+            self._memory_bytes -= len(evicted)
+
+    def _count(self, **deltas) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self.stats[name] += d
+
+    # ---- any thread ----
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk (tests, benchmarks, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout=120)
+        self._disk.close()
+
+    def counters(self) -> dict:
+        with self._lock:
+            out = dict(self.stats)
+            out.update(entries=len(self._entries), memory_entries=len(self._memory),
+                       memory_bytes=self._memory_bytes)
+        out.update(
+            enabled=self.unsupported is None,
+            reason=self.unsupported,
+            directory=str(self.directory),
+            adapter_version=self.version,
+            disk_bytes=self._disk_bytes,
+            disk_limit_bytes=self.disk_limit,
+            memory_limit_bytes=self.memory_limit,
+            block_tokens=self.block,
+            pending_writes=self._queue.qsize(),
+            kv_quantization={
+                "stored_entries": None if self.quant is None else {
+                    "bits": self.quant[1], "group_size": self.quant[0],
+                    "quantized_kv_start": self.quantized_kv_start},
+                "live_decoding": LIVE_KV},
+        )
+        return out
+
+
+def open_prefix_cache(directory: str | Path, settings: CacheSettings, model: nn.Module,
+                      model_id: str) -> PrefixCache:
+    """The store for this model, checked against it. Runs a little MLX work (a digest of the
+    weights, a probe when quantizing): call it where the model was loaded, before the engine
+    thread starts."""
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+    unsupported = None
+    if kinds != ["KVCache"]:
+        unsupported = f"the model's cache layers are {kinds}; only KVCache layers are stored"
+    elif settings.kv_bits:
+        probe = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=probe)
+        try:
+            mx.eval([mx.quantize(a, group_size=settings.kv_group_size, bits=settings.kv_bits)
+                     for a in (probe[0].keys, probe[0].values)])
+        except ValueError as e:
+            raise ValueError(
+                f"--kv-bits {settings.kv_bits} --kv-group-size {settings.kv_group_size} cannot "
+                f"quantize this model's KV (head dim {probe[0].keys.shape[-1]}): {e}. Choose a "
+                "--kv-group-size that divides the head dim (32, 64 or 128)") from None
+    return PrefixCache(directory, settings, model_key(model, model_id), unsupported)
