@@ -93,8 +93,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def flags_from(args: argparse.Namespace) -> dict:
-    skip = {"command", "config", "log_level", "func"}
-    return {k: v for k, v in vars(args).items() if k not in skip}
+    """The flags that are settings (a subcommand's own arguments, like --from, are not)."""
+    from rlproxy.settings import SECTIONS
+
+    fields = {name for cls in SECTIONS.values() for name in cls.model_fields}
+    return {k: v for k, v in vars(args).items() if k in fields}
 
 
 def serve(args: argparse.Namespace) -> int:
