@@ -21,7 +21,8 @@ STATE = "trainer_state.json"
 
 
 def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.array],
-                    optimizer_state, lora_config: dict, settings: dict, keep: int) -> Path:
+                    optimizer_state, lora_config: dict, settings: dict, keep: int,
+                    extra: dict | None = None) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -32,7 +33,8 @@ def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.a
         flat = {k: v for k, v in tree_flatten(optimizer_state) if isinstance(v, mx.array)}
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), flat)
         (tmp / STATE).write_text(json.dumps(
-            {"step": step, "adapter_version": version, "settings": settings}, indent=2,
+            {"step": step, "adapter_version": version, "settings": settings, **(extra or {})},
+            indent=2,
             default=str))
         if final.exists():
             shutil.rmtree(final)

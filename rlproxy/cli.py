@@ -11,7 +11,8 @@ from rlproxy.settings import load_settings
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML file with [server], [model], [engine], [records] sections")
+    p.add_argument("--config", help="TOML file with sections [server] [model] [engine] [cache] "
+                   "[scoring] [trainer] [records] [sessions]")
     p.add_argument("--host", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (env RLPROXY_API_KEY)")
@@ -37,6 +38,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prm-m", type=int, help="judge votes per turn (3)")
     p.add_argument("--prm-temperature", type=float, help="judge sampling temperature (0.6)")
     p.add_argument("--prm-max-tokens", type=int, help="judge answer length cap (256)")
+    p.add_argument("--prm-max-context-chars", type=int,
+                   help="trim the user request shown to the judge (4000)")
     p.add_argument("--prm-prompts", help="folder with judge.txt and hint.txt (prm_prompts/)")
     p.add_argument("--w-opd", type=float, help="weight of teacher_lp - behaviour_lp (1.0)")
     p.add_argument("--w-rl", type=float, help="weight of the reward (1.0)")
@@ -169,8 +172,11 @@ def train_cmd(args: argparse.Namespace) -> int:
     from rlproxy.model import load_serving_model
     from rlproxy.trainer import Trainer, released_turns, training_copy
 
-    settings = load_settings(flags_from(args), args.config)
     source = Path(args.source)
+    flags = flags_from(args)
+    # Never write into the live server's data dir by accident: default beside the source.
+    flags["data_dir"] = flags.get("data_dir") or str(source / "offline-train")
+    settings = load_settings(flags, args.config)
     turns = released_turns(source, settings.scoring.w_opd, settings.scoring.w_rl)
     if not turns:
         print(f"rlproxy: no scored turns released for training in {source}", file=sys.stderr)

@@ -265,6 +265,7 @@ class Engine:
         job.uid = uid
         self._jobs[uid] = job
         self.stats["requests"] += 1
+        self.stats["active"] = len(self._jobs)  # before its prefill: the judge yields now
 
     def _deliver(self, responses, version: int) -> None:
         live = [r for r in responses if r.uid in self._jobs]

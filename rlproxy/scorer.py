@@ -16,7 +16,7 @@ import hashlib
 import importlib
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -66,6 +66,7 @@ class Scorer:
         self.released: dict[str, dict] = {}  # uid -> latest release line
         self.lines: dict[str, dict] = {}  # uid -> score line (for feedback after scoring)
         self.turns: dict[str, dict] = {}  # uid -> turn record, until released
+        self.recent: OrderedDict[str, dict] = OrderedDict()  # released, for later feedback
         self.tallies: dict[str, Tally] = defaultdict(Tally)
         self.waiting: list[dict] = []  # deferred by a judge outage
         self.stats = {"scored": 0, "released": 0, "waiting": 0, "outages": 0}
@@ -106,6 +107,11 @@ class Scorer:
                 self.submit(record)
             elif record.get("uid") in self.tallies.get(record.get("session_id"), Tally()).held:
                 self.turns[record["uid"]] = record
+
+    @property
+    def pending(self) -> int:
+        """Turns submitted and not scored yet: queued, being judged, or waiting out an outage."""
+        return len(self.known) - len(self.scored)
 
     # ---- the loop ----
 
@@ -149,6 +155,7 @@ class Scorer:
         except Exception:
             log.exception("scoring turn %s failed; it will be retried", record["uid"])
             self.waiting.append(record)
+        self.stats["waiting"] = len(self.waiting)
 
     async def _limited(self, make_call):
         async with self.semaphore:  # the call is made only once a slot is free
@@ -260,7 +267,11 @@ class Scorer:
 
     def _release(self, line: dict, reward: float | None, reason: str) -> None:
         uid = line["uid"]
-        record = self.turns.pop(uid, None)
+        record = self.turns.pop(uid, None) or self.recent.get(uid)
+        if record is not None:
+            self.recent[uid] = record
+            while len(self.recent) > 4096:
+                self.recent.popitem(last=False)
         release = {"kind": "release", "uid": uid, "session_id": line["session_id"],
                    "index": line["index"], "reward": reward, "reason": reason}
         self.writer.write(release)
@@ -276,7 +287,8 @@ class Scorer:
                                               reward, self.s.w_opd, self.s.w_rl)
         if advantages is not None:
             self.on_released({"turn": record, "reward": reward, "advantages": advantages,
-                              "teacher_logprobs": line["teacher_logprobs"]})
+                              "teacher_logprobs": line["teacher_logprobs"],
+                              "update": reason == "feedback"})
 
     # ---- explicit feedback ----
 

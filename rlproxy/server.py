@@ -104,7 +104,7 @@ async def healthz(request: web.Request) -> web.Response:
         "prefix_cache": (engine.prefix_cache.counters() if engine.prefix_cache is not None
                          else {"enabled": False, "reason": "--no-prefix-cache"}),
         "sessions_open": len(request.app[SESSIONS].open),
-        "scoring": {**request.app[SCORER].stats, "queued": request.app[SCORER].queue.qsize(),
+        "scoring": {**request.app[SCORER].stats, "pending": request.app[SCORER].pending,
                     "method": request.app[SETTINGS].scoring.method},
         "trainer": trainer_health(request.app),
         "uptime_s": round(time.time() - request.app[STARTED], 1),

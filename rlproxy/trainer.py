@@ -64,8 +64,9 @@ class Trainer:
         mx.eval(self.optimizer.state)  # concrete now: the trainer thread must not build on it
         self.loss_fn = losses.policy_loss(t.loss_fn)
         self.step = 0
+        self._saved_step = 0
         self.version = engine.adapter_version if engine is not None else 0
-        self.baseline_sum, self.baseline_n = 0.0, 0
+        self.baseline, self.baseline_n = 0.0, 0
         self.inbox: queue.Queue = queue.Queue()
         self.queued: set[str] = set()
         self.error: str | None = None
@@ -92,6 +93,8 @@ class Trainer:
         self.optimizer.state = opt_state
         mx.eval(self.model.parameters(), self.optimizer.state)
         self.step, self.version = state["step"], state["adapter_version"]
+        self._saved_step = self.step
+        self.baseline, self.baseline_n = state.get("baseline", [0.0, 0])
         if self.engine is not None:
             self.engine.publish_adapter(lora_weights(self.model), self.version)
         log.info("resumed from %s (step %d, adapter version %d)", path, self.step, self.version)
@@ -107,7 +110,13 @@ class Trainer:
         self.inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout=120)
+        else:  # offline use: the caller's thread did the training
+            self._save_unsaved()
         self.writer.close()
+
+    def _save_unsaved(self) -> None:
+        if self.step and self.step != self._saved_step:  # steps since the last checkpoint
+            self.save()
 
     @property
     def alive(self) -> bool:
@@ -116,6 +125,9 @@ class Trainer:
     def submit(self, scored: dict) -> None:
         """A released scored turn (thread-safe): {"turn", "reward", "advantages", ...}."""
         uid = scored["turn"]["uid"]
+        if scored.get("update"):  # feedback changed its reward: train on it again
+            self.trained.discard(uid)
+            self.queued.discard(uid)
         if uid not in self.trained and uid not in self.queued:
             self.queued.add(uid)
             self.inbox.put(scored)
@@ -135,6 +147,11 @@ class Trainer:
             log.exception("trainer thread died")
             self.error = f"{type(e).__name__}: {e}"
         finally:
+            try:
+                with mx.stream(mx.new_stream(mx.default_device())):
+                    self._save_unsaved()  # on this thread, which owns the arrays
+            except Exception:
+                log.exception("could not save the final checkpoint")
             gc.collect()
             mx.synchronize()
 
@@ -161,11 +178,13 @@ class Trainer:
             return None
         adv = list(scored["advantages"])
         if self.t.baseline == "mean" and scored["reward"] is not None:
-            # running mean of rewards seen so far, subtracted from the RL part only
+            # An exponential running mean of past rewards (decay 0.9), subtracted from the RL
+            # part only: it follows the policy as it improves, where an all-time mean lags.
             if self.baseline_n:
-                b = self.settings.scoring.w_rl * self.baseline_sum / self.baseline_n
-                adv = [a - b for a in adv]
-            self.baseline_sum += scored["reward"]
+                adv = [a - self.settings.scoring.w_rl * self.baseline for a in adv]
+                self.baseline = 0.9 * self.baseline + 0.1 * scored["reward"]
+            else:
+                self.baseline = scored["reward"]
             self.baseline_n += 1
         ids = prompt + completion
         n_prompt = len(prompt) - 1  # targets[t] = ids[t + 1]; completion starts at this index
@@ -243,9 +262,11 @@ class Trainer:
         return line
 
     def save(self) -> Path:
+        self._saved_step = self.step
         return save_checkpoint(self.checkpoints, self.step, self.version,
                                lora_weights(self.model), self.optimizer.state, self.lora_config,
-                               self.settings.model_dump(mode="json"), self.t.keep_checkpoints)
+                               self.settings.model_dump(mode="json"), self.t.keep_checkpoints,
+                               extra={"baseline": [self.baseline, self.baseline_n]})
 
 
 def released_turns(data_dir: Path, w_opd: float, w_rl: float,

@@ -145,7 +145,7 @@ def wait_scored(server, n, timeout=30):
     deadline = time.time() + timeout
     while time.time() < deadline:
         stats = requests.get(server.url + "/healthz").json()["scoring"]
-        if stats["scored"] >= n and stats["queued"] == 0:
+        if stats["scored"] >= n and stats["pending"] == 0:
             return stats
         time.sleep(0.1)
     raise AssertionError(f"only {stats['scored']} of {n} turns scored: {stats}")

@@ -153,18 +153,19 @@ def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(own, tm
 
 
 def test_learning_a_verifiable_reward_beats_chance(own, tmp_path):
-    """Mean reward of 64 fresh samples before vs after 15 PPO steps (batches of 8).
+    """Mean reward of 64 fresh samples before vs after 30 PPO steps (batches of 16).
     Statistic: Welch's t on the two samples; we require t > 5 (one-sided p < 1e-5)."""
-    settings, engine, trainer, prompt = setup(own, tmp_path, save_interval=1000)
+    settings, engine, trainer, prompt = setup(own, tmp_path, save_interval=1000,
+                                              batch_size=16, learning_rate=5e-4)
     try:
         def fresh_rewards(seed):
             return [target_reward({"choices": [{"completion_ids": ids}]}, None)
                     for ids, _ in sample(engine, prompt, 64, seed)]
 
         before = fresh_rewards(10**6)
-        for step in range(15):
+        for step in range(30):
             trainer.train_batch([scored(prompt, *s)
-                                 for s in sample(engine, prompt, 8, 100 * step)])
+                                 for s in sample(engine, prompt, 16, 100 * step)])
         after = fresh_rewards(2 * 10**6)
     finally:
         trainer.stop()

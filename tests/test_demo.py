@@ -1,0 +1,115 @@
+"""`rlproxy demo`: its reward on hand-made token ids, and a short real run end to end (real app,
+real HTTP, real scorer and PPO trainer on the tiny model) checked through the files it leaves."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import xml.etree.ElementTree as ET
+
+import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
+import pytest
+from transformers import AutoTokenizer
+
+from rlproxy import demo
+from rlproxy.embedded_model import embedded_model_path
+from tests.conftest import read_records
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(str(embedded_model_path("tiny")))
+
+
+def turn_with(*completions: list[int], chosen: int = 0) -> dict:
+    return {"choices": [{"completion_ids": ids} for ids in completions], "chosen_choice": chosen}
+
+
+def test_number_tokens():
+    assert demo.is_number_token(b"7") and demo.is_number_token(b" 2024")
+    assert not demo.is_number_token(b" ")
+    assert not demo.is_number_token(b"7a")
+    assert not demo.is_number_token("\u0663".encode())  # ARABIC-INDIC DIGIT THREE: not ASCII
+    assert demo.share_reward([]) == -1.0
+    assert demo.share_reward([True, False, False, False]) == -0.5
+
+
+def test_number_token_ids_match_decoded_text(tok):
+    ids = demo.number_token_ids()
+    singles = {tok.convert_tokens_to_ids(str(d)) for d in range(10)}
+    assert singles <= ids
+    decoded = {i: tok.decode([i]) for i in tok.get_vocab().values()}
+    # a second, independent path (the tokenizer's own decode) finds the same set
+    assert ids == {i for i, text in decoded.items() if text.strip().isdigit()
+                   and text.strip().isascii()}
+
+
+def test_digit_reward_on_hand_made_ids(tok):
+    seven, forty_two = tok.convert_tokens_to_ids("7"), tok.convert_tokens_to_ids("Ġ42")
+    word = tok.convert_tokens_to_ids("Ġthe")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert word not in demo.number_token_ids() and {seven, forty_two} <= demo.number_token_ids()
+    assert demo.digit_reward(turn_with([seven, forty_two, word, word, end]), None) == 0.0
+    assert demo.digit_reward(turn_with([seven, word, word, word]), None) == -0.5
+    assert demo.digit_reward(turn_with([seven, forty_two, end]), None) == 1.0  # end not counted
+    assert demo.digit_reward(turn_with([word, word]), None) == -1.0
+    assert demo.digit_reward(turn_with([end]), None) == -1.0  # an empty reply earns nothing
+    # the choice the conversation continued from is the one scored
+    assert demo.digit_reward(turn_with([word], [seven], chosen=1), [{"role": "user"}]) == 1.0
+
+
+def test_svg_chart_is_valid_and_draws_each_series():
+    svg = demo.svg_chart([("a", "#111", [(0, -1.0), (5, 0.5)]), ("b", "#222", [(1, 0.0)])],
+                         "t -> u")
+    root = ET.fromstring(svg)
+    lines = root.findall("{http://www.w3.org/2000/svg}polyline")
+    assert [ln.get("stroke") for ln in lines] == ["#111", "#222"]
+    # reward -1 sits at the bottom of the plot area and +0.5 above the middle
+    (x0, y0), (x1, y1) = [tuple(map(float, p.split(","))) for p in
+                          lines[0].get("points").split()]
+    assert x1 > x0 and y0 > y1
+
+
+STEPS = 4
+
+
+def test_demo_runs_trains_and_writes_the_curve(tmp_path, capsys):
+    args = argparse.Namespace(steps=STEPS, out=str(tmp_path), embedded_size="tiny",
+                              log_level="WARNING")
+    assert demo.run_demo(args) == 0
+    printed = capsys.readouterr().out
+    assert re.search(rf"reward -?\d\.\d\d -> -?\d\.\d\d over {STEPS} PPO steps "
+                     rf"\(adapter v{STEPS}\)", printed), printed
+
+    result = json.loads((tmp_path / "curve.json").read_text())
+    curve = result["curve"]
+    assert curve[0]["adapter_version"] == 0 and curve[-1]["adapter_version"] == STEPS
+    assert all(p["n"] == demo.EVAL_SAMPLES == len(p["rewards"]) for p in curve)
+    assert all(-1 <= r <= 1 for p in curve for r in p["rewards"])
+    svg = ET.fromstring((tmp_path / "curve.svg").read_text())
+    assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 2
+
+    data = tmp_path / "data"
+    steps = [s for s in read_records(data, "training.jsonl") if s.get("kind") == "step"]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert all(s["turns"] == demo.BATCH_SIZE for s in steps)
+    turns = {t["uid"]: t for t in read_records(data)}
+    # only the agent's turns were recorded: the opted-out measurements left no trace
+    assert len(turns) == result["turns"] == STEPS * demo.BATCH_SIZE
+    trained = [u for s in steps for u in s["uids"]]
+    assert sorted(trained) == sorted(turns)  # each recorded turn trained exactly once
+    scores = {s["uid"]: s for s in read_records(data, "prm_scores.jsonl")
+              if s.get("kind") == "score"}
+    for uid, t in turns.items():
+        assert t["session_id"].startswith("demo-") and t["tools"][0]["function"]["name"] == \
+            "get_weather"
+        assert any(m["role"] == "tool" for m in t["messages"])
+        assert any(m.get("tool_calls") for m in t["messages"] if m["role"] == "assistant")
+        if t["index"] == 0:  # the follow-up question is the first turn's next state
+            assert [m["role"] for m in t["next_state"]] == ["user"]
+        else:
+            assert t["index"] == 1 and t["end"] == "session_done"
+        assert scores[uid]["reward"] == scores[uid]["function_reward"] == \
+            demo.digit_reward(t, t["next_state"])
+        assert scores[uid]["votes"] == []  # no judge ran
