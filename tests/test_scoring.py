@@ -248,6 +248,11 @@ def test_feedback_overrides_or_adds(tiny, tmp_path, judge, mode, expected):
         requests.post(s.base_url + "/sessions/fb/end")
         wait_scored(s, 2)
         time.sleep(0.3)
+        queue = s.app[TRAINING]
+        released = [queue.get_nowait() for _ in range(queue.qsize())]
+        turn0 = [r for r in released if r["turn"]["index"] == 0]
+        # released when scored, and again (to be trained again) with the feedback's reward
+        assert [(r["reward"], r["update"]) for r in turn0] == [(1, False), (expected, True)]
         bad = [requests.post(s.base_url + "/feedback", json=b).status_code for b in [
             {"session_id": "fb", "turn": "last", "reward": 2},
             {"session_id": "fb", "reward": 1},
