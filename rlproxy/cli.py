@@ -27,6 +27,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int)
     p.add_argument("--lora-scale", type=float)
     p.add_argument("--lora-layers", type=int, help="LoRA on the last N blocks (-1: all)")
+    p.add_argument("--quantize-bits", type=int,
+                   help="QLoRA: quantize the frozen base to 4 or 8 bits (slower on CPU)")
     p.add_argument("--lora-keys", action="append",
                    help="projection to adapt, e.g. self_attn.q_proj (repeat; default: all)")
     p.add_argument("--max-batch", type=int, help="sequences decoded together (16)")

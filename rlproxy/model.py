@@ -30,6 +30,7 @@ class LoadedModel:
     source: str  # the path or hub id it was loaded from
     context_length: int
     lora_config: dict  # mlx-lm adapter_config.json contents
+    quantize_bits: int | None = None  # QLoRA: the frozen base quantized at load
 
 
 def lora_config_from(settings: ModelSettings, num_blocks: int) -> dict:
@@ -78,6 +79,7 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
         lora_config = lora_config_from(settings, len(model.layers))
         linear_to_lora_layers(model, lora_config["num_layers"], lora_config["lora_parameters"])
     to_cpu_dtype(model)
+    quantize_base(model, settings.quantize_bits)
     model.freeze()
     model.unfreeze(keys=["lora_a", "lora_b"], strict=False)
     model.eval()
@@ -93,7 +95,16 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
         source=path_or_id,
         context_length=int(context),
         lora_config=lora_config,
+        quantize_bits=settings.quantize_bits,
     )
+
+
+def quantize_base(model: nn.Module, bits: int | None, group_size: int = 64) -> None:
+    """QLoRA: quantize the frozen base layers; LoRA weights stay full precision (mlx-lm's
+    LoRALinear wraps QuantizedLinear). Already quantized models are left as they are."""
+    if bits:
+        nn.quantize(model, group_size=group_size, bits=bits,
+                    class_predicate=lambda _, m: isinstance(m, (nn.Linear, nn.Embedding)))
 
 
 def lora_weights(model: nn.Module) -> dict[str, mx.array]:

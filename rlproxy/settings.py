@@ -37,6 +37,14 @@ class ModelSettings(Section):
     lora_scale: float = Field(20.0, gt=0)
     lora_layers: int = Field(-1, description="LoRA on the last N blocks; -1 means all")
     lora_keys: list[str] | None = None  # None: every linear layer of each block (mlx-lm's default)
+    quantize_bits: int | None = Field(None, description="QLoRA: quantize the frozen base")
+
+    @field_validator("quantize_bits")
+    @classmethod
+    def _qbits(cls, v):
+        if v is not None and v not in (4, 8):
+            raise ValueError(f"quantize_bits must be 4 or 8 (or unset), not {v}")
+        return v
 
     @field_validator("embedded_size")
     @classmethod

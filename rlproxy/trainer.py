@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from rlproxy import losses
 from rlproxy.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
-from rlproxy.model import lora_weights
+from rlproxy.model import lora_weights, quantize_base
 from rlproxy.records import CONVERSATIONS, JsonlWriter, read_jsonl
 from rlproxy.scoring import token_advantages
 from rlproxy.settings import Settings
@@ -43,6 +43,7 @@ def training_copy(loaded) -> nn.Module:
     model, _ = mlx_lm.load(loaded.source, lazy=True)  # architecture only; weights never read
     cfg = loaded.lora_config
     linear_to_lora_layers(model, cfg["num_layers"], cfg["lora_parameters"])
+    quantize_base(model, loaded.quantize_bits)  # the same structure as the serving model
     model.update(tree_unflatten(tree_flatten(loaded.model.parameters())))
     model.freeze()
     model.unfreeze(keys=["lora_a", "lora_b"], strict=False)

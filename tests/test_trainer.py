@@ -221,3 +221,29 @@ def test_streaming_clients_survive_hot_swaps(tmp_path):
     assert versions[0] == 0 and versions[-1] >= 3  # per-token versions recorded, increasing
     steps = read_records(tmp_path, "training.jsonl")
     assert [ln["adapter_version"] for ln in steps] == list(range(1, len(steps) + 1))
+
+
+def test_qlora_trains_lora_over_a_quantized_frozen_base(tmp_path):
+    from rlproxy.settings import load_settings
+
+    settings = load_settings({"quantize_bits": 8}, environ={})
+    own = load_serving_model(settings.model)
+    assert type(own.model.layers[0].self_attn.q_proj.linear).__name__ == "QuantizedLinear"
+    _, engine, trainer, prompt = setup(own, tmp_path, quantize_bits=8)
+    try:
+        before = {k: mx.array(v) for k, v in tree_flatten(trainer.model.parameters())}
+        for step in range(3):
+            trainer.train_batch([scored(prompt, *s) for s in sample(engine, prompt, 8, step)])
+        after = dict(tree_flatten(trainer.model.parameters()))
+        changed = {k for k in before if not mx.array_equal(before[k], after[k]).item()}
+        lora = {k for k in before if "lora_" in k}
+        assert changed == lora  # quantized weights, scales and biases untouched
+        assert any(k.endswith(".scales") for k in before)
+        deadline = time.time() + 5
+        while engine.adapter_version < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine.adapter_version == 3
+        assert all(len(ids) for ids, _ in sample(engine, prompt, 2, 7))  # serves after swaps
+    finally:
+        trainer.stop()
+        engine.stop()
