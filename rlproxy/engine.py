@@ -34,7 +34,7 @@ import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import apply_top_p, make_logits_processors
 
-from rlproxy.prefix_cache import PrefixCache, adapter_fingerprint
+from rlproxy.prefix_cache import PrefixCache, adapter_fingerprint, weights_fingerprint
 
 log = logging.getLogger("rlproxy.engine")
 
@@ -146,7 +146,10 @@ class Engine:
 
     def publish_adapter(self, weights: dict[str, mx.array], version: int) -> None:
         """Hand over an *evaluated* adapter; it is applied between two decode steps."""
-        self._inbox.append(("adapter", (weights, version)))
+        # The prefix cache's key for this adapter is hashed here, on the publisher's thread,
+        # not on the engine thread between two decode steps.
+        fingerprint = weights_fingerprint(weights) if self.prefix_cache is not None else None
+        self._inbox.append(("adapter", (weights, version, fingerprint)))
         self._wake.set()
 
     # ---- the thread ----
@@ -167,6 +170,7 @@ class Engine:
                 self._gen = None
             gc.collect()  # drop per-request samplers (lazy PRNG keys) here, not at exit
             mx.synchronize()
+            mx.clear_streams()  # each MLX thread must, or the process can abort at exit
 
     def _new_generator(self) -> BatchGenerator:
         # The stream is made on this thread: MLX streams are per thread.
@@ -225,14 +229,14 @@ class Engine:
                     del self._jobs[job.uid]
                 job.done = True
             elif kind == "adapter":
-                weights, version = payload
+                weights, version, fingerprint = payload
                 tic = time.perf_counter()
                 self.model.update(_unflatten(weights))
                 self.adapter_version = version
+                if self.prefix_cache is not None:
+                    self.prefix_cache.set_adapter(version, fingerprint)
                 self.stats["swaps"] += 1
                 self.stats["last_swap_ms"] = (time.perf_counter() - tic) * 1000
-                if self.prefix_cache is not None:
-                    self.prefix_cache.set_adapter(version, adapter_fingerprint(self.model))
 
     def _insert(self, job: Job) -> None:
         if job.done:  # cancelled before it started

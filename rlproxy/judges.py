@@ -71,6 +71,7 @@ class LocalJudge:
                     pass
         gc.collect()  # free MLX objects on this thread, not at interpreter exit
         mx.synchronize()
+        mx.clear_streams()  # each MLX thread must, or the process can abort at exit
 
     async def complete(self, messages, temperature: float, max_tokens: int, seed: int) -> str:
         return await self._call(self._generate, messages, temperature, max_tokens, seed)

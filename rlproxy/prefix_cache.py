@@ -110,12 +110,16 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 def adapter_fingerprint(model: nn.Module) -> str:
     """A digest of every trainable (LoRA) weight. Call it on the thread that owns the model."""
-    params = tree_flatten(model.trainable_parameters())
-    mx.eval([a for _, a in params])
+    return weights_fingerprint(dict(tree_flatten(model.trainable_parameters())))
+
+
+def weights_fingerprint(weights: dict[str, mx.array]) -> str:
+    """The same digest from an adapter's weights by name (evaluated on the caller's thread)."""
+    mx.eval(list(weights.values()))
     h = hashlib.blake2b(digest_size=8, person=b"adapter")
-    for name, a in params:
+    for name in sorted(weights):
         h.update(name.encode())
-        h.update(memoryview(a))
+        h.update(memoryview(weights[name]))
     return h.hexdigest()
 
 
@@ -423,6 +427,7 @@ class PrefixCache:
                 item = None  # free the KV arrays here, not while waiting for the next item
                 self._queue.task_done()
         self._disk.close()  # this thread's SQLite connection
+        mx.clear_streams()  # each MLX thread must, or the process can abort at exit
         gc.collect()
         mx.synchronize(stream)
 

@@ -155,6 +155,7 @@ class Trainer:
                 log.exception("could not save the final checkpoint")
             gc.collect()
             mx.synchronize()
+            mx.clear_streams()  # each MLX thread must, or the process can abort at exit
 
     def _collect(self) -> list[dict]:
         batch: list[dict] = []
@@ -253,7 +254,7 @@ class Trainer:
             "reward_std": (math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
                            if rewards else None),
             "turns": len(examples), "tokens": n_tokens, "grad_norm": float(grad_norm.item()),
-            "step_time_s": round(time.perf_counter() - tic, 4), "last_swap_pause_ms": pause,
+            "step_time_s": round(time.perf_counter() - tic, 4), "previous_swap_pause_ms": pause,  # the engine applies this step's swap later
             "learning_rate": self.t.learning_rate, "uids": [e["uid"] for e in examples],
         }
         self.writer.write(line)
