@@ -25,25 +25,21 @@ It measures; it changes nothing in rlproxy.
     python bench/judge.py [--size tiny|small] [--out bench/results/judge.json]
 """
 
-import rlproxy  # noqa: I001  (first: preloads OpenBLAS before anything imports mlx)
+import rlproxy  # noqa: F401, I001  (first: preloads OpenBLAS before anything imports mlx)
 
 import argparse
 import asyncio
 import json
 import os
-import platform
-import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
-import mlx.core as mx
 
-from rlproxy.blas import blas_in_use
+from common import environment, percentile, report, start_server
 from rlproxy.settings import load_settings
-from serve import agent_messages, chat, chat_body, settle, start_server
+from serve import agent_messages, chat, chat_body, settle
 
 YIELD_MS = 20.0  # the default judge_yield_ms
 CONDITIONS = ("idle", "busy", "busy-y0")
@@ -170,10 +166,6 @@ async def measure(http, server: Server, condition: str, round_: int, args) -> di
 # ---- the run ----
 
 
-def percentile(xs: list[float], q: int) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
-
-
 def summarize(samples: list[dict]) -> dict:
     out = {}
     for c in CONDITIONS:
@@ -233,27 +225,17 @@ async def run(args: argparse.Namespace) -> dict:
         finally:
             for server in servers.values():  # stops the engine and judge threads
                 await server.runner.cleanup()
-    from importlib.metadata import version
-
+    # The servers load their own model copies: no model_id here.
+    settings = {n: s.settings.model_dump(mode="json") for n, s in servers.items()}
     return {
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "size": args.size,
+        **environment(args.size, load_before, settings=settings),
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "samples_per_block": args.samples,
         "backlog_target_turns": args.backlog,
         "feeder": {"turns_per_session": FEED_TURNS, "max_tokens": FEED_MAX_TOKENS,
                    "sessions": {n: s.sessions for n, s in servers.items()}},
-        "blas": blas_in_use(),
-        "mlx_version": mx.__version__,
-        "mlx_lm_version": version("mlx-lm"),
-        "rlproxy_version": rlproxy.__version__,
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "python": platform.python_version(), "device": str(mx.default_device()),
-                    "cpus": os.cpu_count(),
-                    "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]}},
         "wall_s": time.perf_counter() - tic,
-        "settings": {n: s.settings.model_dump(mode="json") for n, s in servers.items()},
         "summary": summarize(samples),
         "blocks": blocks,
         "drain_s": drains,
@@ -310,11 +292,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/judge.json"))
     args = parser.parse_args()
     result = asyncio.run(run(args))
-    for line in summary_lines(result):
-        print(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    report(summary_lines(result), result, args.out)
 
 
 if __name__ == "__main__":

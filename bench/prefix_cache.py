@@ -19,27 +19,22 @@ meanwhile. Medians; the ratio cold / warm-from-disk is checked against the goal.
                                  [--repeats 5] [--out bench/results/prefix_cache.json]
 """
 
-import rlproxy  # noqa: I001  (first: preloads OpenBLAS before anything imports mlx)
+import rlproxy  # noqa: F401, I001  (first: preloads OpenBLAS before anything imports mlx)
 
 import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
-import mlx.core as mx
-from aiohttp import web
 
-from rlproxy.blas import blas_in_use
+from common import environment, report, start_server
 from rlproxy.model import LoadedModel, load_serving_model
-from rlproxy.server import create_app
-from rlproxy.settings import Settings, load_settings
+from rlproxy.settings import load_settings
 
 GOAL = 10.0  # cold TTFT / warm-from-disk TTFT, at least
 HEADERS = {"X-Session-Id": "bench-prefix-cache", "X-RL-Opt-Out": "1"}
@@ -57,15 +52,6 @@ USER_TURNS = [
     "Now update the changelog and summarise the change in two sentences.",
     "Check the other paginated endpoints for the same mistake.",
 ]
-
-
-async def start_server(settings: Settings, loaded: LoadedModel) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(create_app(settings, loaded), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}"
 
 
 async def ttft(http: aiohttp.ClientSession, url: str, messages: list[dict],
@@ -168,21 +154,9 @@ async def run(args: argparse.Namespace) -> dict:
     if any(r["cached_tokens"] == 0 for r in memory + disk) or any(r["cached_tokens"] for r in cold):
         raise RuntimeError("cached_tokens says a measurement did not run as labelled")
     cold_s = result["cold"]["ttft_median_s"]
-    from importlib.metadata import version
-
     return {
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "size": args.size,
-        "model_id": loaded.model_id,
+        **environment(args.size, load_before, loaded.model_id),
         "turn": args.turn,
-        "blas": blas_in_use(),
-        "mlx_version": mx.__version__,
-        "mlx_lm_version": version("mlx-lm"),
-        "rlproxy_version": rlproxy.__version__,
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "python": platform.python_version(), "device": str(mx.default_device()),
-                    "cpus": os.cpu_count(),
-                    "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]}},
         "data_dir": str(data_dir),
         **result,
         "ratio_cold_over_warm_memory": cold_s / result["warm_memory"]["ttft_median_s"],
@@ -225,11 +199,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/prefix_cache.json"))
     args = parser.parse_args()
     result = asyncio.run(run(args))
-    for line in summary_lines(result):
-        print(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    report(summary_lines(result), result, args.out)
 
 
 if __name__ == "__main__":

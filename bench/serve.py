@@ -15,28 +15,23 @@ in rlproxy.
     python bench/serve.py [--size tiny|small] [--max-tokens 128] [--out bench/results/serve.json]
 """
 
-import rlproxy  # noqa: I001  (first: preloads OpenBLAS before anything imports mlx)
+import rlproxy  # noqa: F401, I001  (first: preloads OpenBLAS before anything imports mlx)
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import statistics
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
 import mlx.core as mx
-from aiohttp import web
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from rlproxy.blas import blas_in_use
+from common import environment, report, start_server
 from rlproxy.model import LoadedModel, load_serving_model
-from rlproxy.server import create_app
-from rlproxy.settings import Settings, load_settings
+from rlproxy.settings import load_settings
 
 OVERHEAD_GOAL = 1.05  # proxy time / in-process time, at most
 BATCHING_GOAL = 3.0  # 8 concurrent requests' tok/s / one request's tok/s, at least
@@ -101,15 +96,6 @@ def mlx_lm_generate(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int)
 
 
 # ---- the proxy over HTTP ----
-
-
-async def start_server(settings: Settings, loaded: LoadedModel) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(create_app(settings, loaded), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)  # port 0: the OS picks a free one
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}"
 
 
 async def chat(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, dict]:
@@ -275,22 +261,9 @@ async def run(args: argparse.Namespace) -> dict:
             }
     finally:
         await runner.cleanup()  # stops the engine thread before the interpreter exits
-    from importlib.metadata import version
-
     return {
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "size": args.size,
-        "model_id": loaded.model_id,
+        **environment(args.size, load_before, loaded.model_id, settings.model_dump(mode="json")),
         "max_tokens": args.max_tokens,
-        "blas": blas_in_use(),
-        "mlx_version": mx.__version__,
-        "mlx_lm_version": version("mlx-lm"),
-        "rlproxy_version": rlproxy.__version__,
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "python": platform.python_version(), "device": str(mx.default_device()),
-                    "cpus": os.cpu_count(),
-                    "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]}},
-        "settings": settings.model_dump(mode="json"),
         "overhead": overhead,
         "batching": batching,
     }
@@ -306,11 +279,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve.json"))
     args = parser.parse_args()
     result = asyncio.run(run(args))
-    for line in summary_lines(result):
-        print(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    report(summary_lines(result), result, args.out)
 
 
 if __name__ == "__main__":

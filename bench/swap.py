@@ -33,17 +33,14 @@ nothing in rlproxy.
     python bench/swap.py [--size tiny|small] [--out bench/results/swap.json]
 """
 
-import rlproxy  # noqa: I001  (first: preloads OpenBLAS before anything imports mlx)
+import rlproxy  # noqa: F401, I001  (first: preloads OpenBLAS before anything imports mlx)
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import mlx.core as mx
@@ -51,7 +48,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_map
 
-from rlproxy.blas import blas_in_use
+from common import environment, percentile, report
 from rlproxy.engine import Engine, Job, SamplingParams
 from rlproxy.model import LoadedModel, load_serving_model, lora_weights
 from rlproxy.prefix_cache import adapter_fingerprint, open_prefix_cache
@@ -73,15 +70,6 @@ USER_MESSAGE = (
     "The endpoint GET /items?page=2 returns the same items as page 1. Find out why, fix it, "
     "and add a test that would have caught it."
 )
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 # ---- load on the engine: clients that keep requests decoding ----
@@ -514,21 +502,8 @@ def run(args: argparse.Namespace) -> dict:
             raise RuntimeError(f"the engine thread died: {engine.error}")
         steps = measure_steps(loaded, turns, prompt_ids, args.size, args.repeats, args.warmup,
                               Path(tmp))
-    from importlib.metadata import version
-
     return {
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "size": args.size,
-        "model_id": loaded.model_id,
-        "blas": blas_in_use(),
-        "mlx_version": mx.__version__,
-        "mlx_lm_version": version("mlx-lm"),
-        "rlproxy_version": rlproxy.__version__,
-        "machine": {"platform": platform.platform(), "processor": platform.machine(),
-                    "python": platform.python_version(), "device": str(mx.default_device()),
-                    "cpus": os.cpu_count(),
-                    "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]}},
-        "settings": settings.model_dump(mode="json"),
+        **environment(args.size, load_before, loaded.model_id, settings.model_dump(mode="json")),
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": args.completion_tokens,
         "swap_pause": swap,
@@ -554,11 +529,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/swap.json"))
     args = parser.parse_args()
     result = run(args)
-    for line in summary_lines(result):
-        print(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    report(summary_lines(result), result, args.out)
 
 
 if __name__ == "__main__":
