@@ -1,15 +1,14 @@
 """`rlproxy demo`: watch the proxy learn, on the embedded model, with no network beyond 127.0.0.1.
 
 Starts the real app in-process (the same `create_app` as `rlproxy serve`, on a free port), and a
-scripted weather agent that talks to it over real HTTP (aiohttp's client; the openai SDK is only a
-test dependency) with what an agent sends:
-sessions (`X-Session-Id`, `X-Session-Done` on the last request), a tool schema, an assistant tool
-call and its tool result in the history. The reward is verifiable and needs no judge: the share
-of the reply's tokens that are numbers ("answer with the figures"), mapped to [-1, 1]; the scorer
-calls `digit_reward` on every turn and the trainer runs PPO steps on them. Every few steps the
-demo samples FRESH replies with `X-RL-Opt-Out: 1` (never recorded, never trained) and measures
-the same reward on them; it prints one line per measurement, writes the curve as JSON and as a
-small SVG chart, and shuts the app down cleanly.
+scripted weather agent that talks to it over real HTTP (aiohttp's client: the openai SDK is only a
+test dependency) the way an agent does: sessions (`X-Session-Id`, `X-Session-Done` on the last
+request), a tool schema, an assistant tool call and its tool result in the history. The reward is
+verifiable and needs no judge: the share of the reply's tokens that are numbers ("answer with the
+figures"), mapped to [-1, 1]; the scorer calls `digit_reward` on every turn and the trainer runs
+PPO steps on them. Every few steps the demo samples FRESH replies with `X-RL-Opt-Out: 1` (never
+recorded, never trained) and measures the same reward on them; it prints one line per measurement,
+writes the curve as JSON and as a small SVG chart, and shuts the app down cleanly.
 
 Owns only the scripted agent, the reward, the measurement and the chart; serving, scoring and
 training are the real modules, unchanged.
@@ -26,20 +25,23 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from xml.sax.saxutils import escape
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from rlproxy.checkpoints import latest_checkpoint
 from rlproxy.settings import load_settings
 
 REWARD_FUNCTION = "rlproxy.demo:digit_reward"
-MAX_TOKENS = 32  # per reply: short replies keep a 2-core CPU at several PPO steps a minute
+MAX_TOKENS = 16  # per reply: short replies keep a 2-core CPU at several PPO steps a minute
 EVAL_SAMPLES = 16  # fresh replies per measurement
 AGENTS = 4  # sessions run at once; 2 trained turns each, so one round fills a batch of 8
 BATCH_SIZE = 2 * AGENTS
-LAG = 0
-# Measured on the tiny model (2-core CPU): with LoRA rank 8 / scale 20 on every projection,
-# 3e-4 moves the reward within ~10 steps and stays stable; 1e-3 collapses within 30 steps.
-LEARNING_RATE = 3e-4
+# Measured here (tiny model, 2 cores, default LoRA: rank 8, scale 20, every projection; reward on
+# fresh samples after 30 on-policy steps, 16-token replies): 1e-3 ended at +0.79..+0.99 in 8 of
+# 8 runs; 2e-3 and 3e-3 were less reliable (-0.90..+0.96 in 6 runs; one 3e-3 run reached +0.91,
+# then fell back to -0.13). The reward takes off suddenly, somewhere between steps 8 and 28.
+LEARNING_RATE = 1e-3
 
 TOOLS = [{
     "type": "function",
@@ -139,14 +141,15 @@ async def run_session(http: ClientSession, sid: str, seed: int) -> None:
                                       "content": "Thanks. What will it be tomorrow?"}]
 
 
-async def measure(http: ClientSession, seed: int) -> list[float]:
-    """Rewards of EVAL_SAMPLES fresh replies, opted out of recording and training. The same
-    seeds every time, so two measurements differ by the policy, not by the dice."""
-    async def one(i: int) -> float:
+async def measure(http: ClientSession, seed: int) -> list[tuple[float, str]]:
+    """(reward, text) of EVAL_SAMPLES fresh replies, opted out of recording and training. The
+    same seeds every time, so two measurements differ by the policy, not by the dice."""
+    async def one(i: int) -> tuple[float, str]:
         choice = await chat(http, opening(random.Random(seed + i)), {"X-RL-Opt-Out": "1"},
                             seed=seed + i, logprobs=True)
         tokens = (choice.get("logprobs") or {}).get("content") or []
-        return share_reward([is_number_token(bytes(t["bytes"])) for t in tokens])
+        reward = share_reward([is_number_token(bytes(t["bytes"])) for t in tokens])
+        return reward, choice["message"]["content"] or ""
 
     return list(await asyncio.gather(*(one(i) for i in range(EVAL_SAMPLES))))
 
@@ -160,7 +163,7 @@ def demo_settings(args, data_dir: Path):
         "at_least_one": False,  # it would lift every all-negative session to +1
         "reward_functions": [REWARD_FUNCTION], "train": True, "resume": False,
         "batch_size": BATCH_SIZE, "learning_rate": LEARNING_RATE,
-        "save_interval": max(10, args.steps), "fsync": False,
+        "save_interval": args.steps, "fsync": False,  # one checkpoint: the final adapter
     }, environ={})
 
 
@@ -188,8 +191,10 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
 
 
 async def demo(args, out: Path) -> dict:
-    settings = demo_settings(args, out / "data")
     from rlproxy.server import create_app
+
+    settings = demo_settings(args, out / "data")
+    number_token_ids(), end_token_ids()  # loaded now, not on the event loop's first score
 
     runner = web.AppRunner(create_app(settings))
     await runner.setup()
@@ -211,11 +216,12 @@ async def drive(args, http: ClientSession) -> dict:
     async def evaluate() -> int:
         h = await health(http)
         version, step = h["adapter_version"], h["trainer"]["step"]
-        rewards = await measure(http, seed=10_000)
+        samples = await measure(http, seed=10_000)
+        rewards = [r for r, _ in samples]
         m, sd = mean_sd(rewards)
         curve.append({"step": step, "adapter_version": version, "mean_reward": round(m, 4),
                       "sd": round(sd, 4), "n": len(rewards), "rewards": rewards,
-                      "elapsed_s": round(time.monotonic() - started, 1)})
+                      "example": samples[0][1], "elapsed_s": round(time.monotonic() - started, 1)})
         print(f"step {step:3d}  adapter v{version:<3d}  reward on {len(rewards)} fresh "
               f"samples {m:+.3f} (sd {sd:.2f})  [{time.monotonic() - started:5.1f} s]",
               flush=True)
@@ -225,9 +231,9 @@ async def drive(args, http: ClientSession) -> dict:
     sessions, next_eval = 0, v0 + every
     while sessions * 2 < args.steps * BATCH_SIZE:
         # Each round samples from the newest adapter (the trainer has caught up): on-policy, so
-        # PPO's ratio starts at 1 and clipping does not eat the signal. Measured: with a step of
-        # lag, learning rates above 3e-4 learned less, not more.
-        made = sessions * 2 - LAG * BATCH_SIZE
+        # PPO's ratio starts at 1 and clipping does not eat the signal. Measured with one batch
+        # of lag instead: 30 steps ended at +0.04..+0.85 (3 runs), on-policy at +0.79..+0.99 (8).
+        made = sessions * 2
         await wait_until(http, lambda h: h["trainer"]["turns_trained"] + h["trainer"]["skipped"]
                          >= made)
         await asyncio.gather(*(run_session(http, f"demo-{sessions + i:05d}", sessions + i)
@@ -246,11 +252,12 @@ async def drive(args, http: ClientSession) -> dict:
 
 
 def training_rewards(data_dir: Path) -> list[tuple[int, float]]:
-    """(adapter version, mean reward of the turns that step trained on) from training.jsonl."""
+    """(adapter version that sampled them, mean reward) of each step's turns, from training.jsonl.
+    The demo is on-policy: step k trains on turns sampled by version k - 1."""
     from rlproxy.records import read_jsonl
     from rlproxy.trainer import TRAINING
 
-    return [(line["adapter_version"], line["reward_mean"])
+    return [(line["adapter_version"] - 1, line["reward_mean"])
             for line in read_jsonl(data_dir / TRAINING)
             if line.get("kind") == "step" and line.get("reward_mean") is not None]
 
@@ -259,20 +266,24 @@ def svg_chart(series: list[tuple[str, str, list[tuple[float, float]]]], title: s
     """A self-contained line chart: reward (-1..1) against adapter version."""
     w, h, left, right, top, bottom = 640, 360, 56, 16, 36, 44
     xmax = max([x for _, _, pts in series for x, _ in pts] + [1])
-    X = lambda x: left + (w - left - right) * x / xmax  # noqa: E731
-    Y = lambda y: top + (h - top - bottom) * (1 - (y + 1) / 2)  # noqa: E731
+
+    def X(x: float) -> float:
+        return left + (w - left - right) * x / xmax
+
+    def Y(y: float) -> float:
+        return top + (h - top - bottom) * (1 - y) / 2
+
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
            f'font-family="sans-serif" font-size="12">',
            f'<rect width="{w}" height="{h}" fill="white"/>',
-           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>']
+           f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">'
+           f'{escape(title)}</text>']
     for y in (-1, -0.5, 0, 0.5, 1):
         out.append(f'<line x1="{left}" y1="{Y(y):.1f}" x2="{w - right}" y2="{Y(y):.1f}" '
                    f'stroke="#ddd"/><text x="{left - 6}" y="{Y(y) + 4:.1f}" '
                    f'text-anchor="end">{y:g}</text>')
-    for i in range(6):
-        x = xmax * i / 5
-        out.append(f'<text x="{X(x):.1f}" y="{h - bottom + 16}" text-anchor="middle">'
-                   f'{x:.0f}</text>')
+    for x in range(0, math.ceil(xmax) + 1, max(1, math.ceil(xmax / 6))):
+        out.append(f'<text x="{X(x):.1f}" y="{h - bottom + 16}" text-anchor="middle">{x}</text>')
     out.append(f'<text x="{(left + w - right) / 2}" y="{h - 8}" text-anchor="middle">'
                'PPO steps (adapter version)</text>')
     out.append(f'<text x="14" y="{(top + h - bottom) / 2}" text-anchor="middle" '
@@ -285,7 +296,8 @@ def svg_chart(series: list[tuple[str, str, list[tuple[float, float]]]], title: s
             out += [f'<circle cx="{X(x):.1f}" cy="{Y(y):.1f}" r="3" fill="{color}"/>'
                     for x, y in pts if len(pts) < 40]
         out.append(f'<rect x="{left + 10}" y="{top + 8 + 18 * k}" width="12" height="3" '
-                   f'fill="{color}"/><text x="{left + 28}" y="{top + 13 + 18 * k}">{label}</text>')
+                   f'fill="{color}"/><text x="{left + 28}" y="{top + 13 + 18 * k}">'
+                   f'{escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
@@ -304,13 +316,13 @@ def run_demo(args) -> int:
     result = asyncio.run(demo(args, out))
     curve = result["curve"]
     trained = training_rewards(data)
-    result["training"] = [{"adapter_version": v, "reward_mean": r} for v, r in trained]
+    result["training"] = [{"sampled_by_version": v, "reward_mean": r} for v, r in trained]
     (out / "curve.json").write_text(json.dumps(result, indent=2))
     first, last = curve[0], curve[-1]
     (out / "curve.svg").write_text(svg_chart(
         [("fresh samples (opted out, never trained)", "#1f77b4",
           [(c["adapter_version"], c["mean_reward"]) for c in curve]),
-         ("turns trained on (per step)", "#ff7f0e", trained)],
+         ("the turns each step trained on", "#ff7f0e", trained)],
         f"rlproxy demo: reward {first['mean_reward']:+.2f} -> {last['mean_reward']:+.2f}"))
     # The same seeds are measured each time, so the paired difference has a small error.
     diffs = [b - a for a, b in zip(first["rewards"], last["rewards"])]
@@ -320,5 +332,10 @@ def run_demo(args) -> int:
           f"{last['adapter_version'] - first['adapter_version']} PPO steps "
           f"(adapter v{last['adapter_version']}); gain {gain:+.2f} +- {2 * se:.2f} (2 s.e., "
           f"paired over {len(diffs)} seeds); {result['elapsed_s']:.0f} s", flush=True)
-    print(f"chart: {out / 'curve.svg'}  curve: {out / 'curve.json'}  records: {data}", flush=True)
+    for point in (first, last):
+        print(f"  a reply at v{point['adapter_version']}: {point['example'][:70]!r}")
+    print(f"chart: {out / 'curve.svg'}  curve: {out / 'curve.json'}  records: {data}")
+    adapter = latest_checkpoint(data / "checkpoints")
+    if adapter is not None:
+        print(f"adapter: {adapter}  (rlproxy serve --adapter {adapter})", flush=True)
     return 0

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 
 from rlproxy import demo
 from rlproxy.embedded_model import embedded_model_path
-from tests.conftest import read_records
+from rlproxy.records import PENDING, load_pending
+from conftest import read_records
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +61,10 @@ def test_digit_reward_on_hand_made_ids(tok):
 
 
 def test_svg_chart_is_valid_and_draws_each_series():
-    svg = demo.svg_chart([("a", "#111", [(0, -1.0), (5, 0.5)]), ("b", "#222", [(1, 0.0)])],
+    svg = demo.svg_chart([("a & <b>", "#111", [(0, -1.0), (5, 0.5)]), ("c", "#222", [(1, 0.0)])],
                          "t -> u")
-    root = ET.fromstring(svg)
+    root = ET.fromstring(svg)  # well-formed, labels escaped
+    assert "a & <b>" in [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
     lines = root.findall("{http://www.w3.org/2000/svg}polyline")
     assert [ln.get("stroke") for ln in lines] == ["#111", "#222"]
     # reward -1 sits at the bottom of the plot area and +0.5 above the middle
@@ -81,12 +83,16 @@ def test_demo_runs_trains_and_writes_the_curve(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert re.search(rf"reward -?\d\.\d\d -> -?\d\.\d\d over {STEPS} PPO steps "
                      rf"\(adapter v{STEPS}\)", printed), printed
+    checkpoint = tmp_path / "data" / "checkpoints" / f"step_{STEPS:06d}"
+    assert f"adapter: {checkpoint}" in printed
+    assert (checkpoint / "adapters.safetensors").exists()
 
     result = json.loads((tmp_path / "curve.json").read_text())
     curve = result["curve"]
     assert curve[0]["adapter_version"] == 0 and curve[-1]["adapter_version"] == STEPS
     assert all(p["n"] == demo.EVAL_SAMPLES == len(p["rewards"]) for p in curve)
     assert all(-1 <= r <= 1 for p in curve for r in p["rewards"])
+    assert all(isinstance(p["example"], str) for p in curve)
     svg = ET.fromstring((tmp_path / "curve.svg").read_text())
     assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 2
 
@@ -95,8 +101,11 @@ def test_demo_runs_trains_and_writes_the_curve(tmp_path, capsys):
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert all(s["turns"] == demo.BATCH_SIZE for s in steps)
     turns = {t["uid"]: t for t in read_records(data)}
-    # only the agent's turns were recorded: the opted-out measurements left no trace
+    # only the agent's turns were recorded: the opted-out measurements left no trace, not even
+    # as a turn still waiting for its next state
     assert len(turns) == result["turns"] == STEPS * demo.BATCH_SIZE
+    assert load_pending(data / PENDING) == []
+    assert {t["uid"] for t in read_records(data, PENDING) if t.get("kind") == "turn"} == set(turns)
     trained = [u for s in steps for u in s["uids"]]
     assert sorted(trained) == sorted(turns)  # each recorded turn trained exactly once
     scores = {s["uid"]: s for s in read_records(data, "prm_scores.jsonl")
@@ -106,6 +115,9 @@ def test_demo_runs_trains_and_writes_the_curve(tmp_path, capsys):
             "get_weather"
         assert any(m["role"] == "tool" for m in t["messages"])
         assert any(m.get("tool_calls") for m in t["messages"] if m["role"] == "assistant")
+        # on-policy: round k (AGENTS sessions) is sampled entirely by adapter version k
+        session = int(t["session_id"].removeprefix("demo-"))
+        assert set(t["choices"][0]["adapter_versions"]) == {session // demo.AGENTS}
         if t["index"] == 0:  # the follow-up question is the first turn's next state
             assert [m["role"] for m in t["next_state"]] == ["user"]
         else:
