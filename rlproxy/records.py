@@ -45,7 +45,9 @@ class JsonlWriter:
                     os.write(self._fd, b"\n")
 
     def write(self, record: dict) -> None:
-        line = orjson.dumps({"schema_version": SCHEMA_VERSION, **record}) + b"\n"
+        # OPT_NON_STR_KEYS: e.g. logit_bias maps int token ids; JSON keys are strings
+        line = orjson.dumps({"schema_version": SCHEMA_VERSION, **record},
+                            option=orjson.OPT_NON_STR_KEYS) + b"\n"
         with self._lock:
             view = memoryview(line)
             while view:  # os.write may write less than asked (rare, for regular files)
@@ -115,7 +117,7 @@ def compact_pending(path: Path, live: list[dict]) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         for entry in live:
-            f.write(orjson.dumps(entry) + b"\n")
+            f.write(orjson.dumps(entry, option=orjson.OPT_NON_STR_KEYS) + b"\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
