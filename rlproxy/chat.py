@@ -56,7 +56,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # Templating a 15k-token agent prompt takes tens of ms: keep it off the event loop.
     prompt = await loop.run_in_executor(None, build_prompt, model.tokenizer, req)
     params = sampling_params(req, len(prompt.ids), model.context_length,
-                             settings.engine.default_max_tokens)
+                             settings.engine.default_max_tokens, model.vocab_size)
     session = None
     if not tags.opt_out:
         session = store.resolve(tags, prompt.messages)

@@ -35,7 +35,8 @@ def build_prompt(tokenizer, req: ChatRequest) -> Prompt:
     return Prompt(ids=list(ids), messages=messages, tools=tools)
 
 
-def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max: int):
+def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max: int,
+                    vocab_size: int):
     room = context - prompt_len
     if room <= 0:
         raise APIError(
@@ -53,6 +54,10 @@ def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max
             "or completion.",
             param="max_tokens", code="context_length_exceeded",
         )
+    bad = [t for t in (req.logit_bias or {}) if not 0 <= t < vocab_size]
+    if bad:  # an out-of-range id would index past the logits inside the batched decode step
+        raise APIError(400, f"logit_bias token ids must be in [0, {vocab_size}); got {bad[:5]}",
+                       param="logit_bias")
     return [
         SamplingParams(
             max_tokens=req.max_tokens or min(default_max, room),

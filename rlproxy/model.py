@@ -31,6 +31,7 @@ class LoadedModel:
     context_length: int
     lora_config: dict  # mlx-lm adapter_config.json contents
     quantize_bits: int | None = None  # QLoRA: the frozen base quantized at load
+    vocab_size: int = 0  # rows of the output layer: valid token ids are below this
 
 
 def lora_config_from(settings: ModelSettings, num_blocks: int) -> dict:
@@ -94,6 +95,8 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
         model_id=model_id,
         source=path_or_id,
         context_length=int(context),
+        vocab_size=int(config.get("vocab_size")
+                       or config.get("text_config", {}).get("vocab_size") or len(tokenizer)),
         lora_config=lora_config,
         quantize_bits=settings.quantize_bits,
     )

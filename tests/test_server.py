@@ -213,6 +213,8 @@ BAD_INPUTS = [
      None, 400, "response_format"),
     ("max_tokens beyond context", {"model": "m", "messages": MSG, "max_tokens": 10**6}, None,
      400, "max_tokens"),
+    ("logit_bias past the vocabulary", {"model": "m", "messages": MSG, "max_tokens": 2,
+                                        "logit_bias": {"999999": 5}}, None, 400, "logit_bias"),
 ]
 
 
@@ -328,3 +330,12 @@ def test_stop_strings_cut_the_text(taught_server, stream):
         text, finish = r.choices[0].message.content, r.choices[0].finish_reason
     assert text == "Hello from "
     assert finish == "stop"
+
+
+def test_logit_bias_steers_sampling(server, tiny):
+    token = 300
+    r = server.client().chat.completions.create(
+        model="m", messages=MSG, max_tokens=5, seed=3, logprobs=True,
+        logit_bias={str(token): 100})
+    piece = tiny.tokenizer.decode([token]).encode()
+    assert [bytes(e.bytes) for e in r.choices[0].logprobs.content] == [piece] * 5
