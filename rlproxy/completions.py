@@ -64,7 +64,8 @@ def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max
             temperature=req.temperature,
             top_p=req.top_p,
             # n > 1 with a seed: choice i uses seed + i, so the choices differ but replay.
-            seed=None if req.seed is None else req.seed + i,
+            # (mod 2**64: MLX keys are uint64, and the recorded seed is the one actually used)
+            seed=None if req.seed is None else (req.seed + i) % 2**64,
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
             logit_bias=req.logit_bias,
             presence_penalty=req.presence_penalty,

@@ -84,7 +84,7 @@ def make_sampler(temperature: float, top_p: float, seed: int):
     """A per-request sampler with its own PRNG key: the same seed gives the same tokens."""
     if temperature == 0:
         return lambda logprobs: mx.argmax(logprobs, axis=-1)
-    key = mx.random.key(seed)
+    key = mx.random.key(seed % 2**64)  # MLX keys take uint64; OpenAI seeds may be negative
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key

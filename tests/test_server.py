@@ -50,6 +50,14 @@ def test_same_seed_same_text_and_other_seed_differs(server):
     assert other != a
 
 
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**64 - 1])
+def test_any_signed_or_unsigned_64_bit_seed_is_served_reproducibly(server, seed):
+    kw = dict(model="m", messages=MSG, max_tokens=6, seed=seed, n=2)
+    a = server.client().chat.completions.create(**kw)
+    b = server.client().chat.completions.create(**kw)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
 def test_temperature_zero_is_deterministic(server):
     c = server.client()
     texts = {c.chat.completions.create(model="m", messages=MSG, temperature=0,
