@@ -163,6 +163,9 @@ async def feedback(request: web.Request) -> web.Response:
     if all(v is None for v in keys.values()):
         raise APIError(400, "name the turn: turn_uid, turn_index, turn_id (+ step_index) or "
                        "turn: 'last'", param="turn")
+    for k in ("turn_uid", "turn_id"):
+        if keys[k] is not None and not isinstance(keys[k], str):
+            raise APIError(400, f"{k} must be a string", param=k)
     for k in ("turn_index", "step_index"):
         if keys[k] is not None and (isinstance(keys[k], bool) or not isinstance(keys[k], int)):
             raise APIError(400, f"{k} must be an integer", param=k)

@@ -256,8 +256,10 @@ def test_feedback_overrides_or_adds(tiny, tmp_path, judge, mode, expected):
         bad = [requests.post(s.base_url + "/feedback", json=b).status_code for b in [
             {"session_id": "fb", "turn": "last", "reward": 2},
             {"session_id": "fb", "reward": 1},
-            {"session_id": "nope", "turn": "last", "reward": 1}]]
-        assert bad == [400, 400, 404]
+            {"session_id": "nope", "turn": "last", "reward": 1},
+            {"session_id": "fb", "turn_uid": 5, "reward": 1},
+            {"session_id": "fb", "turn_index": "0", "reward": 1}]]
+        assert bad == [400, 400, 404, 400, 400]
     releases = [r for r in lines(tmp_path, "release") if r["index"] == 0]
     assert releases[0]["reward"] == 1 and releases[-1]["reward"] == expected
     assert releases[-1]["reason"] == "feedback"
