@@ -146,6 +146,8 @@ class Turn:
     next_state_link: str | None = None  # "prefix" | "after_last_assistant"
     chosen_choice: int = 0  # which choice the conversation continued from (n > 1)
     end: str | None = None  # why there is no next state: session_done | ended | idle_timeout
+    api: str = "chat"  # the front door it came through: chat | responses | messages
+    thread: str | None = None  # the thread of its session it continues (see sessions.py)
 
     @property
     def trainable(self) -> bool:
