@@ -72,6 +72,20 @@ async def start_server(settings: Settings,
     return runner, f"http://{host}:{port}"
 
 
+def proc_memory_mb(pid: int) -> dict | None:
+    """A process's resident memory now (VmRSS) and its peak so far (VmHWM), in MB, read from
+    /proc (Linux; psutil is not a dependency). None once the process is gone or off Linux."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    kb = {k: int(v.split()[0]) for k, _, v in (x.partition(":") for x in lines)
+          if k in ("VmRSS", "VmHWM")}
+    if len(kb) < 2:  # a zombie (exited, not yet reaped) has no memory lines
+        return None
+    return {"rss_mb": kb["VmRSS"] / 1024, "hwm_mb": kb["VmHWM"] / 1024}
+
+
 def report(lines: list[str], result: dict, out: Path) -> None:
     """Print the summary lines, then write the whole result as JSON to `out`."""
     for line in lines:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 from pathlib import Path
 
+from rlproxy import progress
+from rlproxy.logs import setup_logging
 from rlproxy.settings import load_settings
 
 
@@ -17,6 +19,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (env RLPROXY_API_KEY)")
     p.add_argument("--max-request-mb", type=float, help="largest request body accepted (32)")
+    p.add_argument("--tinker-max-models", type=int,
+                   help="Tinker training clients alive at once (4; 0 turns /api/v1 off)")
     p.add_argument("--served-model-name", action="append",
                    help="a name /v1/models lists (repeat for aliases)")
     p.add_argument("--strict-model-names", action="store_true", default=None,
@@ -34,6 +38,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, help="sequences decoded together (16)")
     p.add_argument("--default-max-tokens", type=int,
                    help="completion cap when a request sets no max_tokens (1024)")
+    p.add_argument("--strict-max-tokens", action="store_true", default=None,
+                   help="answer a max_tokens beyond the context with 400 (default: clamp it)")
+    p.add_argument("--reasoning-parser", choices=["auto", "none"],
+                   help="auto (default): <think> text is returned as reasoning, not content")
     p.add_argument("--data-dir", help="where records and checkpoints go (~/.rlproxy)")
     p.add_argument("--method", choices=["rl", "opd", "combine"],
                    help="scoring: rl (PRM judge reward), opd (hint + teacher log-probs), combine")
@@ -69,9 +77,15 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learning-rate", type=float, help="AdamW learning rate (1e-5)")
     p.add_argument("--batch-size", type=int, help="scored turns per optimizer step (4)")
     p.add_argument("--train-epochs", type=int, help="optimizer steps per batch (1)")
-    p.add_argument("--max-context-tokens", type=int, help="skip longer turns (16384)")
+    p.add_argument("--max-context-tokens", type=int, help="skip longer turns (40960)")
+    p.add_argument("--prompt-grad", choices=["full", "none"],
+                   help="gradient through the prompt's keys/values: none (default, ~1 prefill "
+                   "per step) or full (exact, ~3x slower)")
+    p.add_argument("--train-chunk-tokens", type=int,
+                   help="positions per training unit; smaller yields to serving sooner (128)")
+    p.add_argument("--train-memory-gb", type=float,
+                   help="skip turns estimated to need more to train (half of physical memory)")
     p.add_argument("--grad-clip", type=float, help="max gradient norm (1.0; 0: off)")
-    p.add_argument("--grad-checkpoint", action="store_true", default=None)
     p.add_argument("--baseline", choices=["none", "mean"], help="reward baseline (mean)")
     p.add_argument("--save-interval", type=int, help="checkpoint every N steps (10)")
     p.add_argument("--keep-checkpoints", type=int, help="keep the last N checkpoints (3)")
@@ -79,6 +93,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="start fresh instead of from the newest checkpoint")
     p.add_argument("--duty-cycle", type=float,
                    help="share of time training may use while requests decode (0.5)")
+    p.add_argument("--max-step-attempts", type=int,
+                   help="failed steps (an error, or the process dying) a turn gets before it is "
+                   "quarantined and never trained (2: one retry)")
     p.add_argument("--judge-timeout-s", type=float)
     p.add_argument("--judge-retries", type=int)
     p.add_argument("--judge-concurrency", type=int)
@@ -90,11 +107,19 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-group-size", type=int, help="KV quantization group size (64)")
     p.add_argument("--quantized-kv-start", type=int,
                    help="quantize KV only past this many tokens (0)")
+    p.add_argument("--kv-reuse-max-lag", type=int,
+                   help="reuse prefix KV from up to N adapter versions ago (4; 0: never)")
     p.add_argument("--session-idle-timeout-s", type=float,
                    help="close a session after this many idle seconds (1800)")
     p.add_argument("--no-fsync", dest="fsync", action="store_false", default=None,
                    help="do not fsync record lines (faster; a power cut may lose the last ones)")
+    p.add_argument("--responses-store-mb", type=float,
+                   help="disk kept for stored Responses (previous_response_id) (256)")
+    p.add_argument("--metrics-public", action="store_true", default=None,
+                   help="serve /metrics without the API key (the dashboard stays behind it)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=["text", "json"],
+                   help="text (default) or json lines with session id, turn uid, adapter version")
 
 
 def flags_from(args: argparse.Namespace) -> dict:
@@ -164,7 +189,11 @@ def fuse_cmd(args: argparse.Namespace) -> int:
 
     settings = load_settings({"model": args.model, "embedded_size": args.embedded_size})
     source, _ = resolve_model_path(settings.model)
-    out = fuse(source, Path(args.adapter), Path(args.out))
+    # one unit: fuse() loads, merges and saves in one call; the bar shows the time it takes
+    with progress.phase("fused the adapter into the model"), progress.bar(
+            total=1, desc="fusing", unit="model") as done:
+        out = fuse(source, Path(args.adapter), Path(args.out))
+        done.update()
     print(f"fused model written to {out} (open it with mlx_lm.load or rlproxy serve --model)")
     return 0
 
@@ -179,23 +208,34 @@ def train_cmd(args: argparse.Namespace) -> int:
     # Never write into the live server's data dir by accident: default beside the source.
     flags["data_dir"] = flags.get("data_dir") or str(source / "offline-train")
     settings = load_settings(flags, args.config)
-    turns = released_turns(source, settings.scoring.w_opd, settings.scoring.w_rl)
+    with progress.phase("read the released turns"):
+        turns = released_turns(source, settings.scoring.w_opd, settings.scoring.w_rl,
+                               max_attempts=settings.trainer.max_step_attempts)
     if not turns:
         print(f"rlproxy: no scored turns released for training in {source}", file=sys.stderr)
         return 1
-    loaded = load_serving_model(settings.model)
+    with progress.phase("loaded the model"):
+        loaded = load_serving_model(settings.model)
     out = settings.records.data_dir
-    trainer = Trainer(settings, training_copy(loaded), loaded.lora_config, data_dir=out)
+    trainer = Trainer(settings, training_copy(loaded), loaded.lora_config, data_dir=out,
+                      vocab_size=loaded.vocab_size)
     trainer.trained = set()  # retrain everything, whatever an earlier run did
     size = settings.trainer.batch_size
-    for start in range(0, len(turns) - size + 1, size):
-        for line in trainer.train_batch(turns[start:start + size]):
-            print(f"step {line['step']}: loss {line['loss']:.4f} "
-                  f"reward_mean {line['reward_mean']} tokens {line['tokens']}", flush=True)
+    for start in progress.bar(range(0, len(turns) - size + 1, size), desc="training",
+                              unit="batch"):
+        for line in trainer.train_journaled(turns[start:start + size]):
+            progress.write(f"step {line['step']}: loss {line['loss']:.4f} "
+                           f"reward_mean {line['reward_mean']} tokens {line['tokens']}")
     path = trainer.save()
     trainer.writer.close()
     print(f"{len(turns)} turns, {trainer.step} steps; adapter checkpoint: {path}")
     return 0
+
+
+def status_cmd(args: argparse.Namespace) -> int:
+    from rlproxy.status import status_cmd as run
+
+    return run(args)
 
 
 def demo_cmd(args: argparse.Namespace) -> int:
@@ -238,9 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--follow", "-f", action="store_true", help="keep printing new turns")
     t.add_argument("--session", help="only this session id")
     t.set_defaults(func=records_tail)
+    st = sub.add_parser("status", help="one screen about a running server: model, adapter, "
+                        "sessions, recent steps, cache, trainer")
+    st.add_argument("--url", default="http://127.0.0.1:8000", help="the server (:8000 locally)")
+    st.add_argument("--api-key", help="its --api-key, for the step history (env RLPROXY_API_KEY)")
+    st.set_defaults(func=status_cmd)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the flag, else RLPROXY_LOG_FORMAT (it is a server setting, read here before the others)
+    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", None)
+                  or os.environ.get("RLPROXY_LOG_FORMAT") or "text")
     try:
         return args.func(args)
     except ValueError as e:  # settings problems: say what to change, no traceback

@@ -36,7 +36,12 @@ def build_prompt(tokenizer, req: ChatRequest) -> Prompt:
 
 
 def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max: int,
-                    vocab_size: int):
+                    vocab_size: int, strict_max_tokens: bool = False):
+    """One engine job's parameters per choice. A `max_tokens` beyond what the context has left
+    is clamped to what is left (the choice then ends with `length`; compare the job's
+    max_tokens with req.max_tokens to see the clamp), or a 400 when `strict_max_tokens`:
+    agents ask for budgets of models they do not know, and a 400 sent OpenCode into a loop of
+    compactions. A prompt that alone fills the context is a 400 either way."""
     room = context - prompt_len
     if room <= 0:
         raise APIError(
@@ -45,7 +50,7 @@ def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max
             f"resulted in {prompt_len} tokens. Please reduce the length of the messages.",
             param="messages", code="context_length_exceeded",
         )
-    if req.max_tokens is not None and req.max_tokens > room:
+    if strict_max_tokens and req.max_tokens is not None and req.max_tokens > room:
         raise APIError(
             400,
             f"This model's maximum context length is {context} tokens. However, you requested "
@@ -60,9 +65,10 @@ def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max
                        param="logit_bias")
     return [
         SamplingParams(
-            max_tokens=req.max_tokens or min(default_max, room),
+            max_tokens=min(req.max_tokens or default_max, room),
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k or 0,
             # n > 1 with a seed: choice i uses seed + i, so the choices differ but replay.
             # (mod 2**64: MLX keys are uint64, and the recorded seed is the one actually used)
             seed=None if req.seed is None else (req.seed + i) % 2**64,
@@ -75,12 +81,30 @@ def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max
     ]
 
 
-class ChoiceText:
-    """One choice's text as it streams: holds back what may be the start of a stop string or a
-    tool-call marker, cuts at the first stop string, and turns `<tool_call>{json}</tool_call>`
-    blocks into OpenAI tool calls (only when the request offered tools)."""
+def reasoning_markers(tokenizer) -> tuple[str, str]:
+    """The model's think markers: mlx-lm's where its tokenizer metadata knows them (Qwen3,
+    DeepSeek-R1, gpt-oss-style channels, ...), else the literal `<think>` / `</think>`."""
+    if tokenizer.has_thinking:
+        return tokenizer.think_start, tokenizer.think_end
+    return "<think>", "</think>"
 
-    def __init__(self, tokenizer, stop: list[str] | None, parse_tools: bool):
+
+def prompt_opens_reasoning(tokenizer, prompt_ids: list[int], markers: tuple[str, str]) -> bool:
+    """Does the generation prompt end with the think start marker (templates that open the
+    think block for the model, e.g. Qwen3's and DeepSeek-R1's)? Only the very end counts: a
+    `<think>` quoted in a message, or an empty think block (thinking off), does not."""
+    return tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(markers[0])
+
+
+class ChoiceText:
+    """One choice's text as it streams: holds back what may be the start of a stop string, a
+    tool-call or a think marker, cuts at the first stop string, turns `<tool_call>{json}
+    </tool_call>` blocks into OpenAI tool calls (only when the request offered tools), and
+    splits off reasoning: text inside a think block that opens the completion (or that the
+    prompt opened) up to its end marker. Tool calls are not parsed inside reasoning."""
+
+    def __init__(self, tokenizer, stop: list[str] | None, parse_tools: bool,
+                 reasoning: tuple[str, str] | None = None, in_reasoning: bool = False):
         self.tokenizer = tokenizer
         self.detokenizer = tokenizer.detokenizer
         self.stop = [s for s in (stop or []) if s]
@@ -89,12 +113,19 @@ class ChoiceText:
         self.pending = ""  # decoded but not yet emitted
         self.in_tool = False
         self.stopped = False  # a stop string matched: the choice ends here
+        self.stop_sequence: str | None = None  # which one (Anthropic's stop_sequence reports it)
         self.text = ""  # all content emitted
         self.tool_calls: list[dict] = []
+        self.think_start, self.think_end = reasoning or (None, None)
+        self.in_think = reasoning is not None and in_reasoning
+        self.at_start = reasoning is not None and not in_reasoning  # a think block may open
+        self.after_think = False  # the blank lines between the end marker and the answer go
+        self.reasoning = ""  # all reasoning emitted
         self._markers = self.stop + ([self.tool_start] if self.tool_start else [])
 
     def add(self, token_id: int) -> list[tuple[str, object]]:
-        """Feed one sampled token; return deltas: ("content", str) or ("tool_call", dict)."""
+        """Feed one sampled token; return deltas: ("content", str), ("reasoning", str) or
+        ("tool_call", dict)."""
         if token_id in self.tokenizer.eos_token_ids:
             return []
         self.detokenizer.add_token(token_id)
@@ -117,14 +148,57 @@ class ChoiceText:
         return out
 
     def _content(self, text: str) -> list[tuple[str, object]]:
+        if self.after_think:
+            text = text.lstrip()
+            self.after_think = not text
         if not text:
             return []
         self.text += text
         return [("content", text)]
 
+    def _reasoning(self, text: str) -> list[tuple[str, object]]:
+        if not text:
+            return []
+        self.reasoning += text
+        return [("reasoning", text)]
+
+    def _drain_reasoning(self, final: bool) -> tuple[list[tuple[str, object]], bool]:
+        """Handle the think block's start and inside; (deltas, whether to go on draining)."""
+        if self.at_start:
+            head = self.pending.lstrip()
+            if head.startswith(self.think_start):
+                self.pending, self.at_start, self.in_think = \
+                    head[len(self.think_start):], False, True
+                return [], True
+            if not final and self.think_start.startswith(head):  # the marker may be coming
+                return [], False
+            self.at_start = False
+            return [], True
+        markers = [self.think_end] + self.stop
+        hits = [(i, m) for i, m in ((self.pending.find(m), m) for m in markers) if i >= 0]
+        if hits:
+            i, marker = min(hits, key=lambda h: h[0])
+            out = self._reasoning(self.pending[:i])
+            self.pending = self.pending[i + len(marker):]
+            if marker == self.think_end:
+                self.in_think, self.after_think = False, True
+            else:
+                self.stopped, self.stop_sequence, self.pending = True, marker, ""
+            return out, True
+        keep = 0 if final else _partial_marker_len(self.pending, markers)
+        out = self._reasoning(self.pending[: len(self.pending) - keep])
+        self.pending = self.pending[len(self.pending) - keep:]
+        return out, False
+
     def _drain(self, final: bool) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []
         while self.pending and not self.stopped:
+            if self.at_start or self.in_think:
+                deltas, go_on = self._drain_reasoning(final)
+                out += deltas
+                if not go_on:
+                    return out
+                continue
             if self.in_tool:
                 end = self.pending.find(self.tool_end)
                 if end < 0:
@@ -147,7 +221,7 @@ class ChoiceText:
                 if marker == self.tool_start and marker not in self.stop:
                     self.in_tool = True
                 else:
-                    self.stopped, self.pending = True, ""
+                    self.stopped, self.stop_sequence, self.pending = True, marker, ""
                 continue
             keep = 0 if final else _partial_marker_len(self.pending, self._markers)
             out += self._content(self.pending[: len(self.pending) - keep])
@@ -192,6 +266,10 @@ class ChoiceRecord:
     finish_reason: str | None = None
     text: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    reasoning: str = ""  # the think text, apart from `text` (the ids above hold both)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    cached_kv_version: int | None = None  # the adapter version that computed that KV
+    kv_lag: int = 0  # versions between that KV and the adapter of the first sampled token
 
 
 def token_bytes(tokenizer, token_id: int) -> bytes:
@@ -251,12 +329,15 @@ class Generation:
     """One request's n choices running on the engine; iterate `events()` to consume them."""
 
     def __init__(self, engine: Engine, tokenizer, prompt: Prompt, params: list[SamplingParams],
-                 req: ChatRequest):
+                 req: ChatRequest, reasoning: bool = True):
         self.engine, self.tokenizer, self.prompt, self.req = engine, tokenizer, prompt, req
         self.queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         parse_tools = prompt.tools is not None
-        self.texts = [ChoiceText(tokenizer, req.stop, parse_tools) for _ in params]
+        markers = reasoning_markers(tokenizer) if reasoning else None
+        opened = markers is not None and prompt_opens_reasoning(tokenizer, prompt.ids, markers)
+        self.texts = [ChoiceText(tokenizer, req.stop, parse_tools, markers, opened)
+                      for _ in params]
         self.jobs = []
         for i, p in enumerate(params):
             deliver = (lambda i: lambda step: loop.call_soon_threadsafe(
@@ -288,6 +369,11 @@ class Generation:
                 if self.first_token_at is None:
                     self.first_token_at = time.time()
                 t = step.token
+                job = self.jobs[i]
+                if not rec.completion_ids and job.cached_version is not None:
+                    # set on the engine thread before it delivered this token
+                    rec.cached_tokens, rec.cached_kv_version = job.cached_tokens, job.cached_version
+                    rec.kv_lag = t.adapter_version - job.cached_version
                 rec.completion_ids.append(t.id)
                 rec.logprobs.append(t.logprob)
                 rec.adapter_versions.append(t.adapter_version)
@@ -304,6 +390,7 @@ class Generation:
                 if text.tool_calls and finish == "stop":
                     finish = "tool_calls"
                 rec.finish_reason, rec.text, rec.tool_calls = finish, text.text, text.tool_calls
+                rec.reasoning = text.reasoning
                 remaining -= 1
             yield ChoiceEvent(i, deltas, entries, finish)
         self.finished_at = time.time()

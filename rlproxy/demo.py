@@ -29,6 +29,7 @@ from xml.sax.saxutils import escape
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from rlproxy import progress
 from rlproxy.checkpoints import latest_checkpoint
 from rlproxy.settings import load_settings
 
@@ -202,6 +203,7 @@ async def demo(args, out: Path) -> dict:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        print(f"dashboard (while the demo runs): {url}/ui", flush=True)
         # trust_env stays off: no proxy variable may send this loopback traffic elsewhere
         async with ClientSession(url, timeout=ClientTimeout(total=300)) as http:
             return await drive(args, http)
@@ -222,13 +224,14 @@ async def drive(args, http: ClientSession) -> dict:
         curve.append({"step": step, "adapter_version": version, "mean_reward": round(m, 4),
                       "sd": round(sd, 4), "n": len(rewards), "rewards": rewards,
                       "example": samples[0][1], "elapsed_s": round(time.monotonic() - started, 1)})
-        print(f"step {step:3d}  adapter v{version:<3d}  reward on {len(rewards)} fresh "
-              f"samples {m:+.3f} (sd {sd:.2f})  [{time.monotonic() - started:5.1f} s]",
-              flush=True)
+        progress.write(f"step {step:3d}  adapter v{version:<3d}  reward on {len(rewards)} "
+                       f"fresh samples {m:+.3f} (sd {sd:.2f})  "
+                       f"[{time.monotonic() - started:5.1f} s]")
         return version
 
     v0 = await evaluate()
     sessions, next_eval = 0, v0 + every
+    steps = progress.bar(total=args.steps, desc="PPO steps", unit="step")
     while sessions * 2 < args.steps * BATCH_SIZE:
         # Each round samples from the newest adapter (the trainer has caught up): on-policy, so
         # PPO's ratio starts at 1 and clipping does not eat the signal. Measured with one batch
@@ -240,9 +243,12 @@ async def drive(args, http: ClientSession) -> dict:
                                for i in range(AGENTS)))
         sessions += AGENTS
         version = (await health(http))["adapter_version"]
+        steps.update(min(args.steps, version - v0) - steps.n)
         if next_eval <= version < v0 + args.steps:
             next_eval = await evaluate() + every
     await wait_until(http, lambda h: h["adapter_version"] >= v0 + args.steps)
+    steps.update(args.steps - steps.n)
+    steps.close()
     await evaluate()
     return {"steps": args.steps, "sessions": sessions, "turns": sessions * 2,
             "batch_size": BATCH_SIZE, "learning_rate": LEARNING_RATE,

@@ -108,9 +108,16 @@ def embedded_model_path(size: str = "tiny", cache_dir: Path | None = None) -> Pa
 
 
 def write_embedded_model(path: Path, size: str) -> None:
-    fast_tokenizer = train_tokenizer()
-    write_tokenizer(path, fast_tokenizer)
-    write_weights(path, size, vocab_size=len(fast_tokenizer))
+    from rlproxy import progress
+
+    with progress.phase(f"generated the embedded {size} model"), progress.bar(
+            total=3, desc=f"generating the embedded {size} model", unit="part") as done:
+        fast_tokenizer = train_tokenizer()
+        done.update()
+        write_tokenizer(path, fast_tokenizer)
+        done.update()
+        write_weights(path, size, vocab_size=len(fast_tokenizer))
+        done.update()
 
 
 def corpus_lines() -> list[str]:

@@ -7,14 +7,17 @@ leave between steps). The asyncio side talks to it only through `submit`, `cance
 takes token ids and gives token ids with their log-probs.
 
 With a prefix cache (prefix_cache.py), each new job starts from the longest stored prefix of its
-prompt under the adapter now served, and prefills only the rest (`Job.cached_tokens` says how
-much came from the cache); a job's KV goes back to the store when it finishes or is cancelled,
-unless an adapter swap happened during its life (its KV then mixes two versions).
+prompt under the adapter now served or, with `--kv-reuse-max-lag N`, one of the N before it, and
+prefills only the rest (`Job.cached_tokens` says how much came from the cache, and
+`Job.cached_version` from which adapter). A job's KV goes back to the store when it finishes or
+is cancelled, filed under the oldest adapter that computed any of it: the restored prefix's, or
+the one served when the job started (an adapter swap during its life only makes it newer). The
+store refuses it once that adapter is more than N versions old.
 
 What a stored log-prob is: log-softmax of the model's logits at temperature 1 (after logit_bias
-and penalties when a request asks for them), *before* temperature and top_p. Sampling then
-applies temperature first and top_p second, in OpenAI's order (mlx-lm's own sampler filters
-top_p before temperature). Training recomputes the same temperature-1 quantity.
+and penalties when a request asks for them), *before* temperature, top_k and top_p. Sampling
+then applies temperature first, top_k and top_p after, in OpenAI's order (mlx-lm's own sampler
+filters top_p before temperature). Training recomputes the same temperature-1 quantity.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.sample_utils import apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
+from rlproxy import metrics
 from rlproxy.prefix_cache import PrefixCache, adapter_fingerprint, weights_fingerprint
 
 log = logging.getLogger("rlproxy.engine")
@@ -44,6 +48,7 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off (Anthropic's top_k; vLLM's extension to Chat Completions)
     seed: int | None = None  # None: a fresh random seed, reported back so the run can be redone
     top_logprobs: int = 0
     logit_bias: dict[int, float] | None = None
@@ -77,10 +82,11 @@ class Job:
     done: bool = False
     submitted_at: float = field(default_factory=time.perf_counter)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
-    swaps_at_insert: int = 0  # adapter swaps seen when it started: KV spanning one is not stored
+    cached_version: int | None = None  # the adapter version that computed those tokens' KV
+    kv_source: tuple | None = None  # (version, namespace) of the oldest adapter in its KV
 
 
-def make_sampler(temperature: float, top_p: float, seed: int):
+def make_sampler(temperature: float, top_p: float, seed: int, top_k: int = 0):
     """A per-request sampler with its own PRNG key: the same seed gives the same tokens."""
     if temperature == 0:
         return lambda logprobs: mx.argmax(logprobs, axis=-1)
@@ -90,6 +96,8 @@ def make_sampler(temperature: float, top_p: float, seed: int):
         nonlocal key
         key, sub = mx.random.split(key)
         scaled = logprobs * (1.0 / temperature)
+        if 0 < top_k < scaled.shape[-1]:  # a k at or past the vocabulary keeps every token
+            scaled = apply_top_k(scaled, top_k)
         if top_p < 1.0:
             scaled = apply_top_p(scaled - mx.logsumexp(scaled, axis=-1, keepdims=True), top_p)
         return mx.random.categorical(scaled, key=sub)
@@ -139,6 +147,10 @@ class Engine:
         self._inbox.append(("submit", job))
         self._wake.set()
         return job
+
+    def busy(self) -> bool:
+        """Requests waiting to start or decoding (thread-safe): the trainer yields meanwhile."""
+        return bool(self._inbox) or self.stats["active"] > 0
 
     def cancel(self, job: Job) -> None:
         self._inbox.append(("cancel", job))
@@ -232,11 +244,12 @@ class Engine:
                 weights, version, fingerprint = payload
                 tic = time.perf_counter()
                 self.model.update(_unflatten(weights))
-                self.adapter_version = version
                 if self.prefix_cache is not None:
                     self.prefix_cache.set_adapter(version, fingerprint)
+                self.adapter_version = version  # last: who sees it sees the cache switched too
                 self.stats["swaps"] += 1
                 self.stats["last_swap_ms"] = (time.perf_counter() - tic) * 1000
+                metrics.observe_swap(self.stats["last_swap_ms"] / 1000, version)
 
     def _insert(self, job: Job) -> None:
         if job.done:  # cancelled before it started
@@ -249,15 +262,15 @@ class Engine:
         )
         restored = {}
         if self.prefix_cache is not None:
-            cache, job.cached_tokens = self.prefix_cache.fetch(job.prompt_ids)
-            job.swaps_at_insert = self.stats["swaps"]
+            cache, job.cached_tokens, job.kv_source = self.prefix_cache.fetch(job.prompt_ids)
             if cache is not None:  # the prefix's tokens still count for penalties
+                job.cached_version = job.kv_source[0]
                 restored = {"caches": [cache], "all_tokens": [job.prompt_ids[:job.cached_tokens]]}
         try:
             (uid,) = self._gen.insert(
                 [job.prompt_ids[job.cached_tokens:]],
                 max_tokens=[p.max_tokens],
-                samplers=[make_sampler(p.temperature, p.top_p, p.seed)],
+                samplers=[make_sampler(p.temperature, p.top_p, p.seed, p.top_k)],
                 logits_processors=[processors],
                 stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])],
                 **restored,
@@ -298,10 +311,11 @@ class Engine:
 
     def _store(self, job: Job, cache, tokens: list[int]) -> None:
         """Hand a job's KV (covering exactly `tokens`: prompt + every sampled token) to the
-        prefix cache, if it holds something new and was computed under one adapter version."""
-        if len(tokens) > job.cached_tokens and job.swaps_at_insert == self.stats["swaps"]:
+        prefix cache if it holds something new; the store files it under the job's oldest
+        adapter, or refuses it when that one has left the reuse window."""
+        if len(tokens) > job.cached_tokens:
             prompt_end = min(len(job.prompt_ids), len(tokens))
-            self.prefix_cache.put(list(tokens), cache, [prompt_end, len(tokens)])
+            self.prefix_cache.put(list(tokens), cache, [prompt_end, len(tokens)], job.kv_source)
 
     def _fail_all(self, message: str) -> None:
         for job in list(getattr(self, "_jobs", {}).values()):

@@ -71,6 +71,11 @@ def policy_loss(name: str):
 def token_logprobs(model, ids: mx.array, targets: mx.array) -> mx.array:
     """log p(targets[t] | ids[..t]) at temperature 1, the same quantity the engine records.
     ids: (B, T) inputs, targets: (B, T) next tokens -> (B, T)."""
-    logits = model(ids).astype(mx.float32)
+    return logprobs_of(model(ids), targets)
+
+
+def logprobs_of(logits: mx.array, targets: mx.array) -> mx.array:
+    """The targets' log-softmax at temperature 1. logits: (B, T, V), targets: (B, T) -> (B, T)."""
+    logits = logits.astype(mx.float32)
     return mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - mx.logsumexp(
         logits, axis=-1)

@@ -14,6 +14,14 @@ the model or the decode loop: engine.py decides when to look up and when to stor
   (version + a fingerprint of the LoRA weights, so a restart that reuses a version number with
   other weights never matches). An entry whose tokens are a prefix of a newer one is dropped:
   a session keeps one entry that grows turn by turn.
+- **Stale reuse** (`--kv-reuse-max-lag N`): a lookup also accepts entries computed under the
+  N adapters that preceded the one served (its *window*), so a trainer step does not throw
+  every agent's prefix away. Ancestry is by fingerprint, not by number: version v+1 published
+  right after v in one process is v's child, and those links are kept in `lineage.json` so a
+  restart that resumes a served adapter keeps its window. An entry is stored under the *oldest*
+  adapter whose KV it holds (the engine says which), so no token's KV is ever more than N
+  versions old: staleness stays bounded instead of compounding turn after turn. N = 0 accepts
+  the served adapter's own entries only.
 - **Lookup**: chained hashes of fixed-size token blocks (`prefix_block_tokens`) find the entries
   sharing the most whole blocks with the prompt; hashes of each entry's turn boundaries (prompt
   end, completion end, earlier turns') find exact-length prefixes inside a block. The chosen
@@ -28,9 +36,9 @@ the model or the decode loop: engine.py decides when to look up and when to stor
 - **Integrity**: each blob carries a magic, its length and a CRC-32; a truncated or altered
   entry (e.g. after a crash) is counted, deleted and never served.
 - **Eviction**: the disk budget covers the entries plus diskcache's SQLite file (not its WAL).
-  Publishing adapter version v deletes entries of older versions (never served again); under
-  budget pressure entries of any other namespace go first, then diskcache culls the least
-  recently used. One server per data directory.
+  Publishing adapter version v deletes entries older than v - N (never served again); under
+  budget pressure entries outside the window (other adapters, models or KV settings) go first,
+  then diskcache culls the least recently used. One server per data directory.
 - **KV quantization** (`--kv-bits`, `--kv-group-size`, `--quantized-kv-start`) applies to
   *stored entries only*: entries of at least `quantized_kv_start` tokens are kept quantized in
   memory and on disk (4-8x smaller) and dequantized on restore, so their output is close to,
@@ -51,7 +59,7 @@ import queue
 import struct
 import threading
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +79,7 @@ FORMAT = 1
 MAX_ENDS = 32  # turn boundaries remembered per entry
 MAX_PENDING = 8  # queued writes hold KV arrays in memory; past this a write is dropped
 CANDIDATES = 3  # entries tried per lookup when the best ones turn out corrupt or gone
+LINEAGE = "lineage.json"  # the window's (version, namespace) links, newest first
 LIVE_KV = ("full precision: mlx-lm's BatchGenerator has no kv_bits and cannot batch a "
            "QuantizedKVCache, so --kv-bits applies to stored entries only")
 
@@ -253,7 +262,10 @@ class PrefixCache:
         self.unsupported = unsupported
         self.disk_limit = int(settings.prefix_cache_disk_limit_gb * 1024**3)
         self.memory_limit = int(settings.prefix_cache_memory_mb * 1024**2)
+        self.max_lag = settings.kv_reuse_max_lag
         self.version, self.ns = 0, None  # set by the engine (set_adapter) before any lookup
+        self._window: list[tuple[int, str]] = []  # (version, ns) servable now, newest first
+        self._parents = self._read_lineage()  # ns -> (version, ns) of the adapter it came from
         self._lock = threading.Lock()  # index, memory LRU, counters
         self._entries: dict[str, Entry] = {}
         self._by_block: dict[str, set[str]] = {}  # block hash -> keys of entries containing it
@@ -261,11 +273,12 @@ class PrefixCache:
         self._memory: OrderedDict[str, bytes] = OrderedDict()
         self._memory_bytes = 0
         self._seq = 0
-        self._pending: dict[int, tuple[str, np.ndarray, list[mx.array]]] = {}  # queued writes
+        self._pending: dict[int, tuple[str, int, np.ndarray, list]] = {}  # queued writes
         self._write_ids = itertools.count()
         self.stats = dict.fromkeys(
             ["lookups", "hits", "memory_hits", "disk_hits", "misses", "cached_tokens",
-             "stores", "dropped_writes", "corrupt", "evicted_stale", "evicted_budget",
+             "hits_stale", "cached_tokens_stale", "stores", "dropped_writes",
+             "not_stored_stale", "corrupt", "evicted_stale", "evicted_budget",
              "bytes_written", "bytes_read", "errors"], 0)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._disk = diskcache.Cache(
@@ -282,27 +295,42 @@ class PrefixCache:
     # ---- engine thread ----
 
     def set_adapter(self, version: int, fingerprint: str) -> None:
-        """The engine now serves this adapter: look up and store under it only."""
-        self.version = version
-        self.ns = _digest(self.base.encode(), f"{version}:{fingerprint}".encode(), person=b"ns")
+        """The engine now serves this adapter: look up under it and the N before it."""
+        ns = _digest(self.base.encode(), f"{version}:{fingerprint}".encode(), person=b"ns")
+        if self.ns is not None and version == self.version + 1 and ns not in self._parents:
+            # One trainer step: the adapter served until now is this one's parent. The first
+            # link recorded wins, so a restart's jump to a resumed version keeps its history.
+            self._parents[ns] = (self.version, self.ns)
+        window = [(version, ns)]
+        while len(window) <= self.max_lag and window[-1][1] in self._parents:
+            window.append(self._parents[window[-1][1]])
+        self.version, self.ns, self._window = version, ns, window
         self._queue.put(("stale", version))
 
-    def fetch(self, prompt: list[int]) -> tuple[list[KVCache] | None, int]:
-        """(a fresh cache holding the longest stored prefix of prompt, its length) or (None, 0).
-        At least one prompt token is always left to prefill."""
+    def fetch(self, prompt: list[int]) -> tuple[list[KVCache] | None, int, tuple[int, str]]:
+        """(a fresh cache holding the longest stored prefix of prompt, its length, source):
+        source is (version, namespace) of the adapter that computed that KV, or of the one
+        served on a miss; hand it back to `put`. At least one prompt token is left to prefill.
+        Among the window's versions the longest prefix wins, the newest on a tie."""
+        source = (self.version, self.ns)
         if self.unsupported or self.ns is None or len(prompt) < 2:
-            return None, 0
+            return None, 0, source
         try:
             return self._fetch(np.asarray(prompt, dtype=np.int32))
         except Exception:  # a bug here costs speed, never the request
             log.exception("prefix cache lookup failed")
             self._count(errors=1, misses=1)
-            return None, 0
+            return None, 0, source
 
-    def put(self, tokens: list[int], cache: list, ends: list[int]) -> None:
-        """Queue a finished request's KV (covering exactly `tokens`) for storing; `ends` are its
-        turn boundaries (prompt end, completion end)."""
+    def put(self, tokens: list[int], cache: list, ends: list[int],
+            source: tuple[int, str]) -> None:
+        """Queue a finished request's KV (covering exactly `tokens`) for storing under `source`,
+        the oldest adapter that computed any of it (from `fetch`); `ends` are its turn
+        boundaries (prompt end, completion end). KV older than the window is not stored."""
         if self.unsupported or self.ns is None or len(tokens) < 2:
+            return
+        if source not in self._window:  # an adapter swap outran it by more than N versions
+            self._count(not_stored_stale=1)
             return
         if self._queue.qsize() >= MAX_PENDING:
             self._count(dropped_writes=1)
@@ -318,27 +346,31 @@ class PrefixCache:
                 arrays.append(a if a.shape[2] == n else mx.contiguous(a[..., :n, :]))
         mx.eval(arrays)  # here, on the thread that built them; the writer only reads them
         write_id, tokens = next(self._write_ids), np.asarray(tokens, np.int32)
+        version, ns = source
         with self._lock:
-            self._pending[write_id] = (self.ns, tokens, arrays)
-        self._queue.put(("put", write_id, self.ns, self.version, tokens, arrays, ends))
+            self._pending[write_id] = (ns, version, tokens, arrays)
+        self._queue.put(("put", write_id, ns, version, tokens, arrays, ends))
 
     def _fetch(self, prompt: np.ndarray):
-        ns = self.ns
-        hashes = block_hashes(ns, prompt, self.block)
+        window = self._window
+        hashes = {ns: block_hashes(ns, prompt, self.block) for _, ns in window}
         with self._lock:
             self.stats["lookups"] += 1
-            ranked = self._rank(ns, prompt, hashes)
-            queued = [(common_prefix(t, prompt), t, arrays)
-                      for q_ns, t, arrays in self._pending.values() if q_ns == ns]
-        best = max(queued, key=lambda q: q[0], default=None)
-        if best is not None and best[0] >= max(1, ranked[0][0] if ranked else 0):
-            n, tokens, arrays = min(best[0], len(prompt) - 1), best[1], best[2]
+            ranked = sorted(((score, version, seq, key, ns) for version, ns in window
+                             for score, seq, key in self._rank(ns, prompt, hashes[ns])),
+                            reverse=True)  # longest first, then newest version, then recency
+            queued = [(common_prefix(t, prompt), version, q_ns, t, arrays)
+                      for q_ns, version, t, arrays in self._pending.values()
+                      if (version, q_ns) in window]
+        best = max(queued, key=lambda q: q[:2], default=None)
+        if best is not None and best[0] >= 1 and best[:2] >= (ranked[0][:2] if ranked else (0,)):
+            n, version, ns, tokens, arrays = min(best[0], len(prompt) - 1), *best[1:]
             if n >= 1:  # fresh cache objects over evaluated arrays nobody mutates
                 cache = to_kv_cache({"quant": None}, arrays)
                 trim_prompt_cache(cache, len(tokens) - n)
-                self._count(hits=1, memory_hits=1, cached_tokens=n)
-                return cache, n
-        for _score, _seq, key in ranked[:CANDIDATES]:
+                self._count_hit(n, version, memory_hits=1)
+                return cache, n, (version, ns)
+        for _score, version, _seq, key, ns in ranked[:CANDIDATES]:
             loaded = self._load(key, ns)
             if loaded is None:
                 continue
@@ -347,10 +379,14 @@ class PrefixCache:
             if n < 1:
                 continue
             trim_prompt_cache(cache, len(tokens) - n)
-            self._count(hits=1, cached_tokens=n)
-            return cache, n
+            self._count_hit(n, version)
+            return cache, n, (version, ns)
         self._count(misses=1)
-        return None, 0
+        return None, 0, window[0]
+
+    def _count_hit(self, n: int, version: int, **more) -> None:
+        stale = {"hits_stale": 1, "cached_tokens_stale": n} if version != self.version else {}
+        self._count(hits=1, cached_tokens=n, **stale, **more)
 
     def _rank(self, ns: str, prompt: np.ndarray, hashes: list[str]):
         """Candidate entries, best first: (tokens known to match, recency, key). Lock held."""
@@ -415,6 +451,7 @@ class PrefixCache:
                     self._write(stream, *item[2:])
                 elif item[0] == "stale":
                     self._evict_versions(item[1])
+                    self._write_lineage()
                 elif item[0] == "delete":
                     self._disk.delete(item[1])
             except Exception:
@@ -475,11 +512,12 @@ class PrefixCache:
         self._disk_bytes = self._disk.volume()
 
     def _make_room(self, size: int) -> None:
-        """Entries of other namespaces (older adapters, other models or KV settings) go first."""
+        """Entries outside the window (other adapters, models or KV settings) go first."""
         if self._disk.volume() + size <= self.disk_limit:
             return
+        servable = {ns for _, ns in self._window}
         with self._lock:
-            stale = sorted((e for e in self._entries.values() if e.ns != self.ns),
+            stale = sorted((e for e in self._entries.values() if e.ns not in servable),
                            key=lambda e: e.seq)
         for e in stale:
             self._disk.delete(e.key)
@@ -490,15 +528,30 @@ class PrefixCache:
                 return
 
     def _evict_versions(self, version: int) -> None:
-        """Versions older than the one now served are never served again: delete them."""
+        """Versions older than the window of the one now served (v - N) are never served
+        again: delete them."""
+        oldest = version - self.max_lag
         with self._lock:
-            old = [e for e in self._entries.values() if e.base == self.base and e.version < version]
+            old = [e for e in self._entries.values() if e.base == self.base and e.version < oldest]
             for e in old:
                 self._drop(e.key)
             self.stats["evicted_stale"] += len(old)
         for e in old:
             self._disk.delete(e.key)
         self._disk_bytes = self._disk.volume()
+
+    def _read_lineage(self) -> dict[str, tuple[int, str]]:
+        try:
+            window = json.loads((self.directory / LINEAGE).read_text())
+            return {ns: (int(v), p) for (_, ns), (v, p) in zip(window, window[1:])}
+        except (OSError, ValueError, TypeError):  # none yet, or unreadable: no history
+            return {}
+
+    def _write_lineage(self) -> None:
+        if self.max_lag:  # links matter only to a window wider than the served adapter
+            tmp = self.directory / (LINEAGE + ".tmp")
+            tmp.write_text(json.dumps(self._window))
+            tmp.replace(self.directory / LINEAGE)
 
     def _forget_missing(self) -> None:
         on_disk = set(self._disk.iterkeys())
@@ -569,11 +622,15 @@ class PrefixCache:
             out = dict(self.stats)
             out.update(entries=len(self._entries), memory_entries=len(self._memory),
                        memory_bytes=self._memory_bytes)
+            versions = Counter(e.version for e in self._entries.values() if e.base == self.base)
+        out["entries_by_version"] = {str(v): n for v, n in sorted(versions.items())}
         out.update(
             enabled=self.unsupported is None,
             reason=self.unsupported,
             directory=str(self.directory),
             adapter_version=self.version,
+            kv_reuse_max_lag=self.max_lag,
+            servable_versions=[v for v, _ in self._window],  # entries of these may be reused
             disk_bytes=self._disk_bytes,
             disk_limit_bytes=self.disk_limit,
             memory_limit_bytes=self.memory_limit,

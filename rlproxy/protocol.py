@@ -9,7 +9,7 @@ carried through for the session layer to read.
 
 import re
 import secrets
-from typing import Any, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -147,6 +147,7 @@ class ChatRequest(BaseModel):
     parallel_tool_calls: bool = True
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # not OpenAI's: vLLM's extension, Anthropic's top_k
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -254,29 +255,62 @@ def _check_message(i: int, m: Message) -> None:
         raise APIError(400, f"{where}.content: a {m.role} message needs content", param=f"{where}.content")
 
 
-def _error_path(loc: tuple) -> str:
+# pydantic puts a union's branch ('session_done', 'bool') or a model's class name in an error's
+# location; the client never wrote those, so `param` leaves them out.
+_TYPE_TAG = re.compile(r"^(str|bool|int|float|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
+
+
+def error_path(loc: tuple) -> str:
     """('messages', 0, 'role') -> 'messages[0].role', as OpenAI names params."""
     path = ""
     for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _TYPE_TAG.match(part):
+            path += f".{part}" if path else part
     return path
 
 
-def parse_chat_request(raw: bytes) -> ChatRequest:
-    """Parse a request body; any bad input raises APIError(400)."""
+def join_path(prefix: str, path: str) -> str:
+    if not prefix or not path:
+        return prefix or path
+    return prefix + path if path.startswith("[") else f"{prefix}.{path}"
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate(model: type[M], data: Any, *, prefix: str = "",
+             rename: Callable[[str], str] | None = None) -> M:
+    """`model` from decoded JSON; a bad field raises APIError(400) naming it as the client wrote
+    it: `prefix` places a nested part ('input[0]'), `rename` maps an internal request's field
+    path to the dialect's own. A union's failed branches are said together."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        first = error_path(errors[0]["loc"])
+        said = dict.fromkeys(err["msg"].removeprefix("Value error, ") for err in errors
+                             if error_path(err["loc"]) == first)
+        path = join_path(prefix, rename(first) if rename and first else first)
+        msg = " or ".join(said)
+        raise APIError(400, f"{path}: {msg}" if path else msg, param=path or None) from None
+
+
+def parse_body(raw: bytes, model: type[M], rename: Callable[[str], str] | None = None) -> M:
+    """A JSON request body as `model`; any bad input raises APIError(400)."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise APIError(400, f"could not parse the JSON body: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}")
-    try:
-        return ChatRequest.model_validate(data)
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        path = _error_path(err["loc"]) or None
-        msg = err["msg"].removeprefix("Value error, ")
-        raise APIError(400, f"{path}: {msg}" if path else msg, param=path) from None
+    return validate(model, data, rename=rename)
+
+
+def parse_chat_request(raw: bytes) -> ChatRequest:
+    """Parse a request body; any bad input raises APIError(400)."""
+    return parse_body(raw, ChatRequest)
 
 
 def template_messages(req: ChatRequest) -> list[dict]:
@@ -302,7 +336,10 @@ def template_tools(req: ChatRequest) -> list[dict] | None:
     """Tools as plain dicts for a HF chat template, or None when none may be called."""
     if not req.tools or req.tool_choice == "none":
         return None
-    return [t.model_dump(exclude_none=True) for t in req.tools]
+    # `strict` asks OpenAI's server for constrained decoding, which this proxy does not do; it
+    # is no part of the tool the model reads, and SDKs differ in sending it (openai-agents
+    # always does), so leaving it out gives one tool the same prompt through every client.
+    return [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in req.tools]
 
 
 # ---- response builders: plain dicts, ready for orjson ----

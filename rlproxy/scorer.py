@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from rlproxy import scoring
+from rlproxy import metrics, scoring
 from rlproxy.judges import JudgeUnavailable
 from rlproxy.records import CONVERSATIONS, JsonlWriter, read_jsonl
 from rlproxy.settings import ScoringSettings
@@ -223,12 +223,14 @@ class Scorer:
             "final": record["end"] is not None,
         }
         self.writer.write(line)
+        metrics.observe_score(line)
         self.scored.add(uid)
         self.lines[uid], self.turns[uid] = line, record
         self.stats["scored"] += 1
         log.info("scored session=%s turn=%s votes=%s reward=%s%s", record["session_id"],
                  record["index"], [v.get("vote") for v in votes], _fmt(reward),
-                 f" hint={hint!r}" if hint else "")
+                 f" hint={hint!r}" if hint else "",
+                 extra={"session_id": record["session_id"], "turn_uid": uid})
         tally = self.tallies[record["session_id"]]
         tally.pending -= 1
         tally.closed |= line["final"]

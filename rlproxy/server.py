@@ -3,8 +3,8 @@
 `create_app(settings)` builds everything; each resource (the model + engine thread) is set up and
 torn down in one cleanup context and kept under a typed `web.AppKey`. Handlers parse at the edge
 (protocol.py), hand token work to completions.py, and never touch MLX themselves. Every error a
-client can cause is a 4xx in OpenAI's error shape; a bug is a 500 in the same shape, and the
-server keeps running.
+client can cause is a 4xx in OpenAI's error shape (Anthropic's under /v1/messages); a bug is a
+500 in the same shape, and the server keeps running.
 """
 
 from __future__ import annotations
@@ -12,16 +12,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import datetime, timezone
 
 import orjson
 from aiohttp import web
 
 from rlproxy.appkeys import (
-    ENGINE, MODEL, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER, TRAINING,
+    ENGINE, METRICS, MODEL, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER, TRAINING,
 )
 from rlproxy.blas import blas_in_use
-from rlproxy.chat import chat_completions, json_response, served_names
+from rlproxy.progress import phase
+from rlproxy import control, metrics
+from rlproxy.api import responses
+from rlproxy.api.chat import chat_completions
+from rlproxy.api.response_store import response_store_context
+from rlproxy.api.messages import count_tokens, create_message
+from rlproxy.api.messages_output import error_body as messages_error_body
+from rlproxy.api.turns import json_response, served_names
 from rlproxy.engine import Engine
+from rlproxy.tinker.routes import add_tinker_routes
 from rlproxy.judges import LocalJudge, RemoteJudge
 from rlproxy.model import LoadedModel, load_base_model, load_serving_model
 from rlproxy.scorer import Scorer
@@ -29,14 +38,17 @@ from rlproxy.trainer import Trainer, released_turns, training_copy
 from rlproxy.protocol import APIError
 from rlproxy.sessions import SessionStore
 from rlproxy.settings import Settings
+from rlproxy.ui.views import COOKIE, add_ui_routes, ui_context
 
 log = logging.getLogger("rlproxy.server")
 
-OPEN_PATHS = {"/healthz"}  # no API key needed: nothing secret, and load balancers probe it
+OPEN_PATHS = {"/healthz", "/ui/login"}  # no key needed: health probes; the key's own form
 
 
-def error_response(err: APIError) -> web.Response:
-    return json_response(err.body(), status=err.status)
+def error_response(err: APIError, path: str) -> web.Response:
+    # Anthropic's SDK and Claude Code read errors in Anthropic's shape; all else gets OpenAI's.
+    body = messages_error_body(err) if path.startswith("/v1/messages") else err.body()
+    return json_response(body, status=err.status)
 
 
 @web.middleware
@@ -44,7 +56,7 @@ async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as e:
-        return error_response(e)
+        return error_response(e, request.path)
     except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 ... in OpenAI's shape
         if e.status < 400:
             raise
@@ -53,31 +65,53 @@ async def errors_middleware(request: web.Request, handler):
         if e.status == 413:
             limit = request.app[SETTINGS].server.max_request_mb
             message = f"request body is larger than the limit of {limit} MB (--max-request-mb)"
-        return error_response(APIError(e.status, message, code=code))
+        return error_response(APIError(e.status, message, code=code), request.path)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(APIError(500, "internal error in rlproxy; see the server log",
-                                       type="server_error"))
+                                       type="server_error"), request.path)
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    key = request.app[SETTINGS].server.api_key
-    if key and request.path not in OPEN_PATHS:
-        header = request.headers.get("Authorization", "")
-        if header != f"Bearer {key}":
-            raise APIError(401, "Incorrect API key provided. Send it as 'Authorization: Bearer "
-                           "<key>' (--api-key / RLPROXY_API_KEY).", code="invalid_api_key")
+    server = request.app[SETTINGS].server
+    key = server.api_key
+    public = request.path in OPEN_PATHS or (server.metrics_public and request.path == "/metrics")
+    if key and not public and not authorized(request, key):
+        if request.method == "GET" and request.path in ("/ui", "/ui/"):
+            raise web.HTTPFound("/ui/login")  # a browser: the form sets the pages' cookie
+        raise APIError(401, "Incorrect API key provided. Send it as 'Authorization: Bearer "
+                       "<key>' or 'x-api-key: <key>' (--api-key / RLPROXY_API_KEY).",
+                       code="invalid_api_key")
     return await handler(request)
 
 
+def authorized(request: web.Request, key: str) -> bool:
+    # OpenAI clients send a Bearer token, Anthropic's send x-api-key; the dashboard's pages
+    # send the cookie its login form set (HttpOnly, same-site, valid under /ui only).
+    return (request.headers.get("Authorization") == f"Bearer {key}"
+            or request.headers.get("x-api-key") == key
+            or (request.path.startswith("/ui") and request.cookies.get(COOKIE) == key))
+
+
+def model_card(app: web.Application, name: str) -> dict:
+    """One served model in a shape both SDKs parse: OpenAI's fields, then Anthropic's."""
+    created = int(app[STARTED])
+    return {"id": name, "object": "model", "created": created, "owned_by": "rlproxy",
+            "type": "model", "display_name": name,
+            "created_at": datetime.fromtimestamp(created, timezone.utc).strftime(
+                "%Y-%m-%dT%H:%M:%SZ"),
+            "max_input_tokens": app[MODEL].context_length}
+
+
 async def list_models(request: web.Request) -> web.Response:
-    created = int(request.app[STARTED])
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "rlproxy"}
-            for name in served_names(request.app)]
-    return json_response({"object": "list", "data": data})
+    data = [model_card(request.app, name) for name in served_names(request.app)]
+    # has_more/first_id/last_id: Anthropic's page fields (one page holds every model).
+    return json_response({"object": "list", "data": data, "has_more": False,
+                          "first_id": data[0]["id"] if data else None,
+                          "last_id": data[-1]["id"] if data else None})
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -85,8 +119,7 @@ async def get_model(request: web.Request) -> web.Response:
     if name not in served_names(request.app):
         raise APIError(404, f"The model '{name}' does not exist", param="model",
                        code="model_not_found")
-    return json_response({"id": name, "object": "model", "created": int(request.app[STARTED]),
-                          "owned_by": "rlproxy"})
+    return json_response(model_card(request.app, name))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -137,7 +170,7 @@ async def end_session(request: web.Request) -> web.Response:
 async def not_found(request: web.Request) -> web.Response:
     # Ollama-style probes (/api/show, /api/v1/models) and anything else: a clean JSON 404.
     raise APIError(404, f"no route for {request.method} {request.path}; rlproxy speaks the "
-                   "OpenAI API under /v1", code="not_found")
+                   "OpenAI and Anthropic APIs under /v1", code="not_found")
 
 
 async def feedback(request: web.Request) -> web.Response:
@@ -185,7 +218,9 @@ def trainer_health(app: web.Application) -> dict:
     if trainer is None:
         return {"enabled": False}
     return {"enabled": True, "alive": trainer.alive, "error": trainer.error,
-            "queued": trainer.inbox.qsize(), "step": trainer.step, **trainer.stats}
+            "queued": trainer.inbox.qsize(), "step": trainer.step, **trainer.stats,
+            "quarantined": len(trainer.journal.quarantined),
+            "failed_steps": trainer.journal.failed_steps}
 
 
 def trainer_context(settings: Settings):
@@ -194,16 +229,20 @@ def trainer_context(settings: Settings):
             yield
             return
         loop, loaded, engine = asyncio.get_running_loop(), app[MODEL], app[ENGINE]
-        model = training_copy(loaded)  # main thread: see engine_context
+        with phase("made the trainer's model"):
+            model = training_copy(loaded)  # main thread: see engine_context
         ref = None
         if settings.trainer.kl_coef > 0:
             ref, _ = load_base_model(settings.model)
-        trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref)
+        trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref,
+                          vocab_size=loaded.vocab_size)
         trainer.resume()
         s = settings.scoring
-        # released before a restart but not trained yet: train them now
+        # released before a restart but not trained yet: train them now (the trainer has
+        # read its journal: quarantined turns stay out, a crashed step's turns come back alone)
         for scored in released_turns(settings.records.data_dir, s.w_opd, s.w_rl,
-                                     skip=trainer.trained):
+                                     skip=trainer.trained,
+                                     max_attempts=settings.trainer.max_step_attempts):
             trainer.submit(scored)
         trainer.start()
         app[TRAINER] = trainer
@@ -229,7 +268,8 @@ def scoring_context(settings: Settings):
             s.method != "rl" and s.teacher_url is None)
         local = None
         if needs_local:  # a second, adapter-free copy of the base model, on its own thread
-            base, tokenizer = load_base_model(settings.model)
+            with phase("loaded the judge's base model"):
+                base, tokenizer = load_base_model(settings.model)
             local = LocalJudge(base, tokenizer, busy=lambda: engine.stats["active"] > 0,
                                yield_ms=s.judge_yield_ms)
         remote = None
@@ -279,11 +319,13 @@ def engine_context(settings: Settings, loaded: LoadedModel | None):
 
         loop = asyncio.get_running_loop()
         # Load on this (main) thread: MLX objects made on a pool thread abort at exit.
-        model = loaded or load_serving_model(settings.model)
+        with phase("loaded the serving model"):
+            model = loaded or load_serving_model(settings.model)
         prefix_cache = None
         if settings.cache.prefix_cache:  # also MLX work (a weight digest): here too
-            prefix_cache = open_prefix_cache(settings.records.data_dir / "prefix_cache",
-                                             settings.cache, model.model, model.model_id)
+            with phase("opened the prefix cache"):
+                prefix_cache = open_prefix_cache(settings.records.data_dir / "prefix_cache",
+                                                 settings.cache, model.model, model.model_id)
         engine = Engine(model.model, model.tokenizer.eos_token_ids,
                         max_batch=settings.engine.max_batch,
                         prefill_step_size=settings.engine.prefill_step_size,
@@ -303,7 +345,7 @@ def engine_context(settings: Settings, loaded: LoadedModel | None):
 def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.Application:
     """The whole server. Pass `loaded` to reuse an already loaded model (tests, benchmarks)."""
     app = web.Application(
-        middlewares=[errors_middleware, auth_middleware],
+        middlewares=[metrics.metrics_middleware, errors_middleware, auth_middleware],
         client_max_size=int(settings.server.max_request_mb * 1024 * 1024),
     )
     app[SETTINGS] = settings
@@ -312,7 +354,15 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.App
     app.cleanup_ctx.append(scoring_context(settings))
     app.cleanup_ctx.append(trainer_context(settings))
     app.cleanup_ctx.append(sessions_context(settings))
+    app.cleanup_ctx.append(response_store_context(settings))
+    app.cleanup_ctx.append(ui_context(settings))
+    app[METRICS] = metrics.make_registry(app)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses.create_response)
+    app.router.add_get("/v1/responses/{response_id}", responses.get_response)
+    app.router.add_delete("/v1/responses/{response_id}", responses.delete_response)
+    app.router.add_post("/v1/messages", create_message)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_get("/healthz", healthz)
@@ -320,5 +370,11 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.App
     app.router.add_get("/v1/sessions/{session_id}", get_session)
     app.router.add_post("/v1/sessions/{session_id}/end", end_session)
     app.router.add_post("/v1/feedback", feedback)
+    app.router.add_get("/metrics", metrics.metrics_handler)
+    app.router.add_post("/v1/adapters/{step}/serve", control.serve_adapter)
+    app.router.add_post("/v1/training/pause", control.pause_training)
+    app.router.add_post("/v1/training/resume", control.resume_training)
+    add_ui_routes(app)  # /ui: the dashboard (ui/views.py)
+    add_tinker_routes(app)  # /api/v1: the Tinker training API (tinker/routes.py)
     app.router.add_route("*", "/{tail:.*}", not_found)
     return app

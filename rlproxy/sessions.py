@@ -1,16 +1,16 @@
-"""Sessions and turns: which session a request belongs to, and each turn's next state.
+"""Sessions, their threads, and turns: where a request belongs, and each turn's next state.
 
-Owns the session protocol (headers and body fallbacks), the open sessions in memory, linking a
-turn to its next state (every message the session's next request adds after the turn's assistant
-message), closing sessions (done header, end call, idle timeout), and handing each finished turn
-to the record files and to the training queue. A turn whose response completed is journaled
-before the response's last bytes go out, so a crash loses no acknowledged turn. Knows nothing of
-HTTP or MLX; the server passes in parsed messages and the exact sampled ids.
+Owns the session protocol (headers and body fallbacks), the open sessions and their threads in
+memory, linking a turn to its next state (every message its thread's next request adds after the
+turn's assistant message), closing threads (compaction) and sessions (done header, end call,
+idle timeout), and handing each finished turn to the record files and to the training queue. A
+turn whose response completed is journaled before the response's last bytes go out, so a crash
+loses no acknowledged turn. The matching and side/compaction rules are pure functions in
+threads.py. Knows nothing of HTTP or MLX; callers pass in parsed messages and the exact ids.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 import time
 import uuid
@@ -19,12 +19,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import orjson
-
+from rlproxy import threads as rules
 from rlproxy.protocol import APIError
 from rlproxy.records import (
     CONVERSATIONS, PENDING, JsonlWriter, compact_pending, load_pending, read_jsonl,
 )
+from rlproxy.threads import prefix_hashes, turn_heads
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
@@ -39,6 +39,7 @@ class TurnTags:
     step_index: int | None = None
     request_id: str | None = None
     opt_out: bool = False
+    explicit_type: bool = False  # X-Turn-Type (or turn_type) was given: no rule overrides it
 
 
 def _flag(name: str, raw) -> bool:
@@ -68,7 +69,9 @@ def parse_turn_tags(headers, req) -> TurnTags:
             raise APIError(400, "X-Session-Id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -",
                            param="X-Session-Id")
         tags.session_id = sid
-    turn_type = header("X-Turn-Type") or req.turn_type or "main"
+    turn_type = header("X-Turn-Type") or req.turn_type
+    tags.explicit_type = turn_type is not None
+    turn_type = turn_type or "main"
     if turn_type.strip().lower() not in ("main", "side"):
         raise APIError(400, f"X-Turn-Type must be 'main' or 'side', not {turn_type!r}",
                        param="X-Turn-Type")
@@ -94,38 +97,6 @@ def parse_turn_tags(headers, req) -> TurnTags:
     return tags
 
 
-# ---- matching conversations: a message's identity for "is this an exact prefix" ----
-
-def _message_key(m: dict) -> bytes:
-    """What must be equal for two messages to be "the same" across requests. Tool-call ids and
-    surrounding whitespace are ignored: agents regenerate the former and strip the latter."""
-    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]
-    calls = [(n, a if isinstance(a, dict) else _loads_or_text(a)) for n, a in calls]
-    return orjson.dumps([m["role"], (m.get("content") or "").strip(), calls],
-                        option=orjson.OPT_SORT_KEYS)
-
-
-def _loads_or_text(a):
-    try:
-        return orjson.loads(a)
-    except orjson.JSONDecodeError:
-        return a
-
-
-def prefix_hashes(messages: list[dict]) -> list[str]:
-    """h[k] identifies messages[:k+1]; equal hashes mean equal prefixes."""
-    out, h = [], b""
-    for m in messages:
-        h = hashlib.blake2b(h + _message_key(m), digest_size=16).digest()
-        out.append(h.hex())
-    return out
-
-
-def reply_message(choice: dict) -> dict:
-    return {"role": "assistant", "content": choice["text"],
-            "tool_calls": [{"function": c["function"]} for c in choice["tool_calls"]]}
-
-
 @dataclass
 class Turn:
     uid: str
@@ -145,9 +116,11 @@ class Turn:
     next_state: list[dict] | None = None
     next_state_link: str | None = None  # "prefix" | "after_last_assistant"
     chosen_choice: int = 0  # which choice the conversation continued from (n > 1)
-    end: str | None = None  # why there is no next state: session_done | ended | idle_timeout
+    end: str | None = None  # why no next state: session_done | ended | idle_timeout |
+    # superseded | compacted | evicted
     api: str = "chat"  # the front door it came through: chat | responses | messages
-    thread: str | None = None  # the thread of its session it continues (see sessions.py)
+    thread: str | None = None  # the thread of its session it belongs to (set by complete())
+    side_rule: str | None = None  # why it is a side turn: header | probe | aside (threads.py)
 
     @property
     def trainable(self) -> bool:
@@ -159,10 +132,38 @@ class Turn:
     def summary(self) -> dict:
         c = self.choices[self.chosen_choice]
         return {"uid": self.uid, "index": self.index, "turn_type": self.turn_type,
+                "side_rule": self.side_rule, "thread": self.thread, "api": self.api,
                 "turn_id": self.turn_id, "step_index": self.step_index,
                 "prompt_tokens": len(self.prompt_ids), "completion_tokens": len(c["completion_ids"]),
                 "text": c["text"], "tool_calls": c["tool_calls"], "finish_reason": c["finish_reason"],
                 "next_state": self.next_state, "end": self.end, "trainable": self.trainable}
+
+
+@dataclass
+class Thread:
+    """One line of conversation in a session: each of its requests continues its last turn."""
+
+    id: str
+    session_id: str
+    system: str  # threads.system_key of its first request
+    tools: str  # threads.tools_key
+    has_tools: bool
+    first_user: str  # threads.first_user_key
+    prompt_len: int = 0  # messages in its latest main request
+    main: bool = False  # a main request went into it
+    turns: int = 0
+    last_turn: str | None = None  # uid
+    last_active: float = field(default_factory=time.time)
+    pending: Turn | None = None  # its last main turn, waiting for its next state
+    heads: set[str] = field(default_factory=set)  # prefix hashes that continue it
+    closed: str | None = None  # compacted | evicted | the session's closing reason
+    compacts: str | None = None  # the thread whose history its first request summarized
+
+    def summary(self) -> dict:
+        return {"id": self.id, "open": self.closed is None, "closed": self.closed,
+                "main": self.main, "tools": self.has_tools, "turns": self.turns,
+                "last_turn": self.last_turn, "pending": self.pending.uid if self.pending else None,
+                "compacts": self.compacts}
 
 
 @dataclass
@@ -172,17 +173,39 @@ class Session:
     created: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.time)
     turn_count: int = 0
-    pending: Turn | None = None  # the last main turn, waiting for its next state
+    threads: dict[str, Thread] = field(default_factory=dict)
+    heads: dict[str, Thread] = field(default_factory=dict)  # prefix hash -> thread it continues
     turns: list[dict] = field(default_factory=list)  # summaries of finished turns
     closed: str | None = None  # the reason, once closed
+
+    def pending(self) -> list[Turn]:
+        return [t.pending for t in self.threads.values() if t.pending is not None]
 
     def summary(self, with_turns: bool = False) -> dict:
         out = {"id": self.id, "open": self.closed is None, "closed": self.closed,
                "inferred": self.inferred, "created": self.created,
-               "last_active": self.last_active, "turns": self.turn_count}
+               "last_active": self.last_active, "turns": self.turn_count,
+               "threads_open": sum(t.closed is None for t in self.threads.values())}
         if with_turns:
-            out["turn_list"] = self.turns + ([self.pending.summary()] if self.pending else [])
+            out["threads"] = [t.summary() for t in self.threads.values()]
+            out["turn_list"] = sorted(self.turns + [t.summary() for t in self.pending()],
+                                      key=lambda t: t["index"])
         return out
+
+
+@dataclass
+class Placement:
+    """Where one request goes: its session, its thread, and its turn type (with the reason)."""
+
+    session: Session
+    thread: Thread
+    turn_type: str
+    side_rule: str | None
+    opened: bool  # this request opened the thread
+    explicit: bool  # the type came from X-Turn-Type: no rule may change it
+
+
+MAX_OPEN_THREADS = 64  # per session; beyond it the least recently active idle one is closed
 
 
 class SessionStore:
@@ -194,13 +217,15 @@ class SessionStore:
         self.on_trainable = on_trainable or (lambda record: None)
         self.open: dict[str, Session] = {}
         self.closed: deque[Session] = deque(maxlen=keep_closed)
-        self._by_prefix: dict[str, tuple[Session, int]] = {}  # expected-prefix hash -> choice
+        self._threads: dict[str, Thread] = {}  # open threads of open sessions, by id
+        self._inferred_heads: dict[str, Thread] = {}  # header-less matching across sessions
         self._responses: OrderedDict[str, object] = OrderedDict()
         self._keep_responses = keep_responses
         # A kill between a turn's record line and its tombstone leaves it in both files: the
         # record wins. Explicit session ids also continue their turn numbering across restarts.
         recorded: set[str] = set()
-        self._next_index: dict[str, int] = {}
+        self._next_index: dict[str, int] = {}  # closed sessions: the index their next turn gets
+        self._was_inferred: set[str] = set()  # closed inferred sessions (a chain may reopen one)
         for r in read_jsonl(self.data_dir / CONVERSATIONS):
             recorded.add(r.get("uid"))
             sid = r.get("session_id")
@@ -216,67 +241,158 @@ class SessionStore:
         self.conversations.close()
         self.journal.close()
 
-    # ---- which session ----
+    # ---- where a request goes ----
 
-    def resolve(self, tags: TurnTags, messages: list[dict]) -> Session:
-        """The session this request belongs to; links that session's pending turn (if any) to
-        its next state, now that the next request is here."""
+    def resolve(self, tags: TurnTags, messages: list[dict], tools: list[dict] | None = None,
+                max_tokens: int | None = None, thread_hint: str | None = None) -> Placement:
+        """The session and thread this request belongs to, and its turn type. A main request
+        links its thread's pending turn to its next state, now that the next request is here.
+        `thread_hint` names the thread a chained request (previous_response_id) continues."""
         hashes = prefix_hashes(messages)
+        hinted = self._threads.get(thread_hint) if thread_hint else None
+        if hinted is not None and tags.session_id not in (None, hinted.session_id):
+            hinted = None  # the explicit session id wins over a chain into another session
         if tags.session_id is not None:
             session = self.open.get(tags.session_id)
-            if session is None:
-                session = Session(tags.session_id, inferred=False,
+            if session is None:  # new, or reopened (after a restart or its close): numbering goes on
+                session = Session(tags.session_id, inferred=tags.session_id in self._was_inferred,
                                   turn_count=self._next_index.pop(tags.session_id, 0))
+                self._was_inferred.discard(tags.session_id)
                 self.open[session.id] = session
+            thread = hinted or self._match(session.heads, hashes)
+        elif hinted is not None:
+            session, thread = self.open[hinted.session_id], hinted
         else:
-            session = self._match(hashes)
+            thread = self._match(self._inferred_heads, hashes)
+            session = self.open[thread.session_id] if thread else None
             if session is None:
                 session = Session(f"auto-{uuid.uuid4().hex[:16]}", inferred=True)
                 self.open[session.id] = session
         session.last_active = time.time()
-        if tags.turn_type == "main" and session.pending is not None:
-            self._link(session, messages, hashes)
-        return session
+        turn_type, why = self._turn_type(tags, session, messages, tools, max_tokens)
+        rewritten, compacted = False, None
+        if thread is None and turn_type == "main" and not session.inferred:
+            thread = self._rewritten(session, messages, tools)
+            rewritten = thread is not None
+            if thread is None:
+                compacted = self._compacted(session, messages, tools)
+        opened = thread is None
+        if opened:
+            thread = self._open_thread(session, messages, tools)
+            thread.compacts = compacted.id if compacted else None
+        thread.last_active = time.time()
+        if turn_type == "main":
+            thread.main, thread.prompt_len = True, len(messages)
+            if thread.pending is not None:
+                self._link(session, thread, messages, hashes, by_prefix=not rewritten)
+        return Placement(session, thread, turn_type, why, opened, tags.explicit_type)
 
-    def _match(self, hashes: list[str]) -> Session | None:
+    @staticmethod
+    def _match(heads: dict[str, Thread], hashes: list[str]) -> Thread | None:
         for h in reversed(hashes):  # the longest matching prefix wins
-            hit = self._by_prefix.get(h)
-            if hit and hit[0].closed is None and hit[0].inferred:
-                return hit[0]
+            thread = heads.get(h)
+            if thread is not None and thread.closed is None:
+                return thread
         return None
 
-    def _link(self, session: Session, messages: list[dict], hashes: list[str]) -> None:
-        turn = session.pending
+    def _turn_type(self, tags: TurnTags, session: Session, messages, tools,
+                   max_tokens) -> tuple[str, str | None]:
+        if tags.explicit_type:
+            return tags.turn_type, "header" if tags.turn_type == "side" else None
+        why = rules.side_rule(max_tokens, bool(tools), rules.system_key(messages),
+                              self._tool_threads(session))
+        return ("side", why) if why else ("main", None)
+
+    @staticmethod
+    def _tool_threads(session: Session, but: Thread | None = None) -> list[tuple[str, bool]]:
+        return [(t.system, t.main) for t in session.threads.values()
+                if t.closed is None and t.has_tools and t is not but]
+
+    def _same_agent(self, session: Session, messages, tools) -> list[Thread]:
+        """Open main threads with this request's system prompt and tools, latest first."""
+        system, tkey = rules.system_key(messages), rules.tools_key(tools)
+        same = [t for t in session.threads.values()
+                if t.closed is None and t.main and t.system == system and t.tools == tkey]
+        return sorted(same, key=lambda t: t.last_active, reverse=True)
+
+    def _rewritten(self, session: Session, messages, tools) -> Thread | None:
+        first = rules.first_user_key(messages)
+        return next((t for t in self._same_agent(session, messages, tools) if t.pending
+                     and rules.is_rewrite(messages, first, t.prompt_len, t.first_user)), None)
+
+    def _compacted(self, session: Session, messages, tools) -> Thread | None:
+        """Close the thread this request's history summarizes, if there is one."""
+        first = rules.first_user_key(messages)
+        old = next((t for t in self._same_agent(session, messages, tools)
+                    if rules.is_compaction(messages, first, t.prompt_len, t.first_user)), None)
+        if old is not None:
+            self._close_thread(session, old, "compacted")
+        return old
+
+    def _open_thread(self, session: Session, messages, tools) -> Thread:
+        thread = Thread(f"th-{uuid.uuid4().hex[:12]}", session.id, rules.system_key(messages),
+                        rules.tools_key(tools), bool(tools), rules.first_user_key(messages))
+        live = [t for t in session.threads.values() if t.closed is None and t.pending is None]
+        if len(live) >= MAX_OPEN_THREADS:  # title calls open one each: keep memory bounded
+            self._close_thread(session, min(live, key=lambda t: t.last_active), "evicted")
+        session.threads[thread.id] = thread
+        self._threads[thread.id] = thread
+        return thread
+
+    def _link(self, session: Session, thread: Thread, messages: list[dict], hashes: list[str],
+              by_prefix: bool = True) -> None:
+        turn = thread.pending
         turn.next_state_link = "after_last_assistant"
-        for i, choice in enumerate(turn.choices):
-            expected = prefix_hashes(turn.messages + [reply_message(choice)])
-            k = len(expected)
-            if len(hashes) >= k and hashes[k - 1] == expected[-1]:
+        for i, choice in enumerate(turn.choices if by_prefix else []):
+            k = len(turn.messages) + 1
+            if len(hashes) >= k and hashes[k - 1] == turn_heads(turn.messages, [choice])[0]:
                 turn.next_state, turn.chosen_choice, turn.next_state_link = messages[k:], i, "prefix"
                 break
         else:  # the agent rewrote its history: take what follows its last assistant message
             last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
             turn.next_state = messages[last + 1:]
-        self._finish(session, turn)
+        self._finish(session, thread, turn)
 
     # ---- turns ----
 
-    def complete(self, session: Session, turn: Turn, session_done: bool) -> None:
-        """A response finished: journal it (main) or record it (side) before the client is told."""
+    def complete(self, place: Placement, turn: Turn, session_done: bool) -> None:
+        """A response finished: file it in its thread, journaled (main) or recorded (side),
+        before the client is told. Sets the turn's thread and its final type."""
+        session, thread = place.session, place.thread
+        turn.thread, turn.turn_type, turn.side_rule = thread.id, place.turn_type, place.side_rule
+        if place.opened and not place.explicit and turn.turn_type == "main":
+            # A call opened beside a tool-using thread that started after it (an agent's
+            # concurrent title call): the aside rule can only be checked now.
+            why = rules.side_rule(None, bool(turn.tools), rules.system_key(turn.messages),
+                                  self._tool_threads(session, but=thread))
+            if why:
+                turn.turn_type, turn.side_rule = "side", why
+                thread.main = thread.pending is not None
+        now = time.time()
         session.turn_count = max(session.turn_count, turn.index + 1)
-        session.last_active = time.time()
+        session.last_active = thread.last_active = now
+        thread.turns += 1
+        thread.last_turn = turn.uid
         if turn.turn_type == "side":
             self.conversations.write(turn.record())
             session.turns.append(turn.summary())
+            if not thread.main:  # a side thread continues from its last turn only
+                self._unindex(session, thread)
+            if thread.closed is None:
+                self._index(session, thread, turn)
+        elif thread.closed is not None:  # compacted (or the session ended) while it ran
+            turn.end = thread.closed
+            self._finish(session, thread, turn)
         else:
-            if session.pending is not None:
-                # Two main turns in flight at once in one session: the earlier one's
+            if thread.pending is not None:
+                # Two main turns in flight at once in one thread: the earlier one's
                 # conversation did not continue through this request, so it has no next state.
-                session.pending.end = "superseded"
-                self._finish(session, session.pending)
+                thread.pending.end = "superseded"
+                self._finish(session, thread, thread.pending)
             self.journal.write({**turn.record(), "inferred": session.inferred})
-            session.pending = turn
-            self._index(session, turn)
+            thread.pending = turn
+            self._unindex(session, thread)
+            self._index(session, thread, turn)
         if session_done:
             self.end(session.id, "session_done")
 
@@ -284,24 +400,38 @@ class SessionStore:
         session.turn_count += 1
         return session.turn_count - 1
 
-    def _index(self, session: Session, turn: Turn) -> None:
-        for choice in turn.choices:
-            h = prefix_hashes(turn.messages + [reply_message(choice)])[-1]
-            self._by_prefix[h] = (session, 0)
+    def _index(self, session: Session, thread: Thread, turn: Turn) -> None:
+        for h in turn_heads(turn.messages, turn.choices):
+            thread.heads.add(h)
+            session.heads[h] = thread
+            if session.inferred:
+                self._inferred_heads[h] = thread
 
-    def _unindex(self, turn: Turn) -> None:
-        for choice in turn.choices:
-            self._by_prefix.pop(prefix_hashes(turn.messages + [reply_message(choice)])[-1], None)
+    def _unindex(self, session: Session, thread: Thread) -> None:
+        for h in thread.heads:
+            if session.heads.get(h) is thread:
+                del session.heads[h]
+            if self._inferred_heads.get(h) is thread:
+                del self._inferred_heads[h]
+        thread.heads.clear()
 
-    def _finish(self, session: Session, turn: Turn) -> None:
+    def _finish(self, session: Session, thread: Thread, turn: Turn) -> None:
         record = turn.record()
         self.conversations.write(record)
         self.journal.write({"kind": "done", "uid": turn.uid})
-        self._unindex(turn)
-        session.pending = None
+        if thread.pending is turn:
+            thread.pending = None
         session.turns.append(turn.summary())
         if turn.trainable:
             self.on_trainable(record)
+
+    def _close_thread(self, session: Session, thread: Thread, reason: str) -> None:
+        if thread.pending is not None:
+            thread.pending.end = reason
+            self._finish(session, thread, thread.pending)
+        thread.closed = reason
+        self._unindex(session, thread)
+        self._threads.pop(thread.id, None)
 
     # ---- closing ----
 
@@ -309,11 +439,14 @@ class SessionStore:
         session = self.open.pop(session_id, None)
         if session is None:
             return False
-        if session.pending is not None:
-            session.pending.end = reason
-            self._finish(session, session.pending)
+        for thread in session.threads.values():
+            if thread.closed is None:
+                self._close_thread(session, thread, reason)
         session.closed = reason
         self.closed.append(session)
+        self._next_index[session_id] = session.turn_count
+        if session.inferred:
+            self._was_inferred.add(session_id)
         return True
 
     def sweep_idle(self, now: float | None = None) -> list[str]:
@@ -334,8 +467,7 @@ class SessionStore:
         session = self.find(session_id)
         if session is None:
             return None
-        turns = session.turns + ([session.pending.summary()] if session.pending else [])
-        turns = sorted(turns, key=lambda t: t["index"])
+        turns = session.summary(with_turns=True)["turn_list"]
         if last:
             main = [t for t in turns if t["turn_type"] == "main"]
             return main[-1]["uid"] if main else None
@@ -364,6 +496,7 @@ class SessionStore:
     # ---- restart ----
 
     def _restore(self, entry: dict) -> None:
+        """A journaled turn still waiting for its next state: its session and thread reopen."""
         fields = {k: v for k, v in entry.items() if k in Turn.__dataclass_fields__}
         turn = Turn(**fields)
         session = self.open.get(turn.session_id)
@@ -371,5 +504,19 @@ class SessionStore:
             session = Session(turn.session_id, inferred=entry.get("inferred", False))
             self.open[session.id] = session
         session.turn_count = max(session.turn_count, turn.index + 1)
-        session.pending = turn
-        self._index(session, turn)
+        thread = session.threads.get(turn.thread) if turn.thread else None
+        if thread is None:
+            thread = Thread(turn.thread or f"th-{uuid.uuid4().hex[:12]}", session.id,
+                            rules.system_key(turn.messages), rules.tools_key(turn.tools),
+                            bool(turn.tools), rules.first_user_key(turn.messages))
+            session.threads[thread.id] = thread
+            self._threads[thread.id] = thread
+        turn.thread = thread.id
+        if thread.pending is not None:  # two pending in one thread: the later one continues
+            thread.pending.end = "superseded"
+            self._finish(session, thread, thread.pending)
+        thread.main, thread.prompt_len, thread.pending = True, len(turn.messages), turn
+        thread.turns += 1
+        thread.last_turn = turn.uid
+        self._unindex(session, thread)
+        self._index(session, thread, turn)

@@ -27,6 +27,15 @@ class ServerSettings(Section):
     max_request_mb: float = Field(32.0, gt=0)
     served_model_name: list[str] = []  # aliases; the first is the name /v1/models reports
     strict_model_names: bool = False  # off: agents send names of their own, all served
+    tinker_max_models: int = Field(
+        4, ge=0, description="Tinker training clients (LoRA models) alive at once under "
+        "/api/v1; each holds its LoRA weights, gradients and AdamW state (0: Tinker API off)")
+    metrics_public: bool = Field(
+        False, description="serve GET /metrics without the API key (for a Prometheus that "
+        "cannot send one); the dashboard and the actions stay behind it")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="json: one JSON object per log line, with session id, turn uid and "
+        "adapter version where known")
 
 
 class ModelSettings(Section):
@@ -62,6 +71,12 @@ class EngineSettings(Section):
     default_max_tokens: int = Field(
         1024, ge=1, description="completion cap when a request names none (OpenAI: context)"
     )
+    strict_max_tokens: bool = Field(
+        False, description="a max_tokens beyond what the context has left is a 400 "
+        "(off: the budget is clamped to what is left, and the clamp recorded)")
+    reasoning_parser: Literal["auto", "none"] = Field(
+        "auto", description="auto: <think> text is returned as reasoning, apart from the "
+        "content; none: it stays in the content")
 
 
 class CacheSettings(Section):
@@ -72,6 +87,9 @@ class CacheSettings(Section):
     kv_bits: int | None = Field(None, description="quantize the KV cache to 4 or 8 bits")
     kv_group_size: int = Field(64, ge=16)
     quantized_kv_start: int = Field(0, ge=0)
+    kv_reuse_max_lag: int = Field(
+        4, ge=0, le=64, description="reuse prefix KV computed under an adapter up to this many "
+        "versions older than the one served (0: only the served adapter's own KV)")
 
     @field_validator("kv_bits")
     @classmethod
@@ -127,20 +145,35 @@ class TrainerSettings(Section):
     weight_decay: float = Field(0.0, ge=0)
     batch_size: int = Field(4, ge=1, description="scored turns per optimizer step")
     train_epochs: int = Field(1, ge=1, description="optimizer steps per batch")
-    max_context_tokens: int = Field(16384, ge=16, description="longer turns are skipped")
+    max_context_tokens: int = Field(
+        40960, ge=16, description="longer turns are skipped (the memory estimate guards the rest)")
+    prompt_grad: Literal["full", "none"] = Field(
+        "none", description="none: no gradient through the prompt's keys and values (exact "
+        "log-probs, a step costs about one prefill); full: the exact gradient, ~3x slower")
+    train_chunk_tokens: int = Field(
+        128, ge=16, description="positions per training unit (fewer past 8k tokens of context); "
+        "a smaller value yields to serving sooner; a larger one may train faster on big models")
+    train_memory_gb: float | None = Field(
+        None, gt=0, description="skip turns whose step is estimated to need more memory than "
+        "this (default: half of physical memory)")
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm (0: off)")
-    grad_checkpoint: bool = False
     baseline: Literal["none", "mean"] = "mean"
     save_interval: int = Field(10, ge=1)
     keep_checkpoints: int = Field(3, ge=1)
     resume: bool = True
     duty_cycle: float = Field(
         0.5, gt=0, le=1, description="share of time training may take while requests decode")
+    max_step_attempts: int = Field(
+        2, ge=1, description="steps a turn may fail (raise, or die in) before it is quarantined;"
+        " 2 retries it once, 1 quarantines every turn of a failed step")
 
 
 class RecordSettings(Section):
     data_dir: Path = Path.home() / ".rlproxy"
     fsync: bool = True  # fsync every record line: an acknowledged turn survives power loss too
+    responses_store_mb: float = Field(
+        256.0, gt=0, description="disk kept for stored Responses (previous_response_id, "
+        "GET /v1/responses/{id}); the oldest go first")
 
 
 class SessionSettings(Section):

@@ -5,7 +5,9 @@ arrays (MLX arrays are immutable, so sharing is safe) and has its own LoRA weigh
 state. For each batch of `batch_size` scored turns it runs `train_epochs` optimizer steps; after
 every step it hands the engine the new adapter (already evaluated) and writes one line to
 training.jsonl. It trains on the exact recorded ids and behaviour log-probs, never re-tokenizing.
-While live requests are decoding it keeps to `duty_cycle` of the wall time.
+While live requests are decoding it keeps to `duty_cycle` of the wall time. Every batch runs
+between a journaled start and end (train_journal.py): a turn whose step raises, or dies with the
+process, is retried alone, then quarantined, so no turn can kill the trainer or crash-loop it.
 
 Offline training (`rlproxy train --from DATA_DIR`) uses the same `train_step`.
 """
@@ -24,12 +26,13 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from rlproxy import losses
+from rlproxy import chunked_grad, losses, metrics
 from rlproxy.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
 from rlproxy.model import lora_weights, quantize_base
 from rlproxy.records import CONVERSATIONS, JsonlWriter, read_jsonl
 from rlproxy.scoring import token_advantages
 from rlproxy.settings import Settings
+from rlproxy.train_journal import StepJournal, outside_vocab, quarantined_uids, turn_length
 
 log = logging.getLogger("rlproxy.trainer")
 TRAINING = "training.jsonl"
@@ -54,8 +57,10 @@ def training_copy(loaded) -> nn.Module:
 
 class Trainer:
     def __init__(self, settings: Settings, model: nn.Module, lora_config: dict, engine=None,
-                 data_dir: Path | None = None, ref_model: nn.Module | None = None):
+                 data_dir: Path | None = None, ref_model: nn.Module | None = None,
+                 vocab_size: int | None = None):
         t = settings.trainer
+        self.vocab_size = vocab_size  # token ids must be below it (None: not checked)
         self.t, self.settings, self.model, self.engine = t, settings, model, engine
         self.lora_config, self.ref_model = lora_config, ref_model
         self.data_dir = Path(data_dir or settings.records.data_dir)
@@ -75,11 +80,14 @@ class Trainer:
         self.writer = JsonlWriter(self.data_dir / TRAINING, fsync=settings.records.fsync)
         self.trained = {u for line in read_jsonl(self.data_dir / TRAINING)
                         for u in line.get("uids", [])}
-        if t.grad_checkpoint:
-            from mlx_lm.tuner.trainer import grad_checkpoint
-
-            grad_checkpoint(model.layers[0])
-        self._grad = nn.value_and_grad(model, self._loss)
+        # Read before anything is resubmitted: turns a crashed step held are retried, or
+        # quarantined once they have had their attempts.
+        self.journal = StepJournal(self.data_dir, settings.records.fsync, t.max_step_attempts)
+        self._batch: list[dict] = []  # turns collected towards the next batch
+        self.shape = chunked_grad.model_shape(model)
+        self.memory_budget = (t.train_memory_gb * 2**30 if t.train_memory_gb
+                              else chunked_grad.physical_memory_bytes() // 2)
+        self.units = {"units": 0, "max_unit_s": 0.0, "yielded_s": 0.0}  # of the current step
         self._thread: threading.Thread | None = None
         self._running = False
 
@@ -88,8 +96,17 @@ class Trainer:
     def resume(self) -> Path | None:
         path = latest_checkpoint(self.checkpoints) if self.t.resume else None
         if path is None:
+            if self.t.resume:
+                self._forget_lost_steps(0)
             return None
         adapter, opt_state, state = load_checkpoint(path)
+        mine = {k: v.shape for k, v in lora_weights(self.model).items()}
+        if {k: v.shape for k, v in adapter.items()} != mine:  # MLX would load it regardless
+            raise ValueError(
+                f"the newest checkpoint, {path}, holds an adapter for another model or LoRA "
+                "layout than this one (--model, --lora-rank, --lora-layers, --lora-keys); "
+                "use another --data-dir, or move its checkpoints/ folder away")
+        self._forget_lost_steps(state["step"])
         self.model.update(tree_unflatten(list(adapter.items())))
         self.optimizer.state = opt_state
         mx.eval(self.model.parameters(), self.optimizer.state)
@@ -100,6 +117,21 @@ class Trainer:
             self.engine.publish_adapter(lora_weights(self.model), self.version)
         log.info("resumed from %s (step %d, adapter version %d)", path, self.step, self.version)
         return path
+
+    def _forget_lost_steps(self, step: int) -> None:
+        """The steps after checkpoint STEP died with the process (a kill loses the updates
+        since the last save): their turns are trained again. Their lines stay in
+        training.jsonl; the journal's `resumed` line names them."""
+        steps = [ln for ln in read_jsonl(self.data_dir / TRAINING)
+                 if ln.get("kind") in ("step", "rollback")]  # a rollback takes a step too
+        at = [i for i, ln in enumerate(steps) if ln["step"] == step]  # its last run's line
+        cut = at[-1] + 1 if at else (0 if step == 0 else len(steps))
+        lost = {u for ln in steps[cut:] for u in ln.get("uids", [])}
+        if lost:
+            self.trained -= lost
+            self.journal.resumed(step, len(steps) - cut, sorted(lost))
+            log.warning("resuming from step %d: the %d turns trained after it are trained "
+                        "again", step, len(lost))
 
     def start(self) -> None:
         self._running = True
@@ -114,6 +146,7 @@ class Trainer:
         else:  # offline use: the caller's thread did the training
             self._save_unsaved()
         self.writer.close()
+        self.journal.close()
 
     def _save_unsaved(self) -> None:
         if self.step and self.step != self._saved_step:  # steps since the last checkpoint
@@ -126,6 +159,8 @@ class Trainer:
     def submit(self, scored: dict) -> None:
         """A released scored turn (thread-safe): {"turn", "reward", "advantages", ...}."""
         uid = scored["turn"]["uid"]
+        if uid in self.journal.quarantined:  # never again, whatever feedback says
+            return
         if scored.get("update"):  # feedback changed its reward: train on it again
             self.trained.discard(uid)
             self.queued.discard(uid)
@@ -140,10 +175,9 @@ class Trainer:
             with mx.stream(mx.new_stream(mx.default_device())):
                 while self._running:
                     batch = self._collect()
-                    if batch:
-                        tic = time.perf_counter()
-                        self.train_batch(batch)
-                        self._keep_duty_cycle(time.perf_counter() - tic)
+                    self._control()  # a rollback asked for; a pause holds the batch here
+                    if batch:  # its units keep the duty cycle (_between_units)
+                        self.train_journaled(batch)
         except Exception as e:  # surfaced on /healthz
             log.exception("trainer thread died")
             self.error = f"{type(e).__name__}: {e}"
@@ -158,79 +192,121 @@ class Trainer:
             mx.clear_streams()  # each MLX thread must, or the process can abort at exit
 
     def _collect(self) -> list[dict]:
-        batch: list[dict] = []
-        while len(batch) < self.t.batch_size and self._running:
+        """The next `batch_size` turns; a turn whose earlier step failed comes back alone, at
+        once, so that a poison turn cannot take innocent ones down with it again."""
+        while self._running:
             item = self.inbox.get()
             if item is None:
                 break
-            batch.append(item)
-        return batch if len(batch) == self.t.batch_size else []
+            if self.journal.failures[item["turn"]["uid"]]:
+                return [item]
+            self._batch.append(item)
+            if len(self._batch) == self.t.batch_size:
+                batch, self._batch = self._batch, []
+                return batch
+        return []
 
-    def _keep_duty_cycle(self, spent: float) -> None:
-        if self.engine is not None and self.engine.stats.get("active", 0) > 0:
+    def train_journaled(self, batch: list[dict]) -> list[dict]:
+        """`train_batch` between a journaled start and end. A step that raises costs each of
+        its turns one attempt; a several-turn step is then retried turn by turn (innocent turns
+        train, the poison one alone fails again), a one-turn step again until its turn is
+        quarantined. Never raises for a turn's sake, so the trainer thread lives on."""
+        for s in batch:  # an id outside the vocabulary segfaults MLX instead of raising
+            bad = outside_vocab(s["turn"], self.vocab_size)
+            if bad is not None:
+                self.journal.quarantine(s["turn"]["uid"], f"token id {bad} is outside this "
+                                        f"model's vocabulary of {self.vocab_size} (recorded "
+                                        "under another model?); training on it would crash")
+        batch = [s for s in batch if s["turn"]["uid"] not in self.journal.quarantined]
+        if not batch:
+            return []
+        uids = [s["turn"]["uid"] for s in batch]
+        n = self.journal.start(uids, sum(turn_length(s["turn"]) for s in batch))
+        try:
+            lines = self.train_batch(batch)
+        except Exception as e:
+            log.exception("training step over turns %s failed", ", ".join(uids))
+            self.journal.end(n, uids, f"{type(e).__name__}: {e}"[:2000])
+            if len(batch) > 1:
+                return [line for one in batch for line in self.train_journaled([one])]
+            return self.train_journaled(batch)  # returns [] once the turn is quarantined
+        self.journal.end(n, uids)
+        return lines
+
+    def _between_units(self, spent: float) -> None:
+        """Serving first. Called after each unit of a step (one chunk's forward or backward, or
+        the optimizer update, each ending in mx.eval): while the engine has requests waiting or
+        decoding, rest spent * (1 - d) / d, so a request arriving mid-step waits at most for the
+        unit in progress, and under constant traffic training still gets its share d."""
+        u = self.units
+        u["units"] += 1
+        u["max_unit_s"] = max(u["max_unit_s"], spent)
+        if self.engine is not None and self.engine.busy():
+            tic = time.perf_counter()
             time.sleep(spent * (1 - self.t.duty_cycle) / self.t.duty_cycle)
+            u["yielded_s"] += time.perf_counter() - tic
 
     # ---- one batch ----
 
     def _example(self, scored: dict) -> dict | None:
+        """The turn as a training example, or None (recorded as skipped, with the reason)."""
         turn = scored["turn"]
-        choice = turn["choices"][turn.get("chosen_choice", 0)]
-        prompt, completion = turn["prompt_ids"], choice["completion_ids"]
-        if not completion or len(prompt) + len(completion) > self.t.max_context_tokens:
+        ex = chunked_grad.turn_example(turn, scored["advantages"], scored["reward"])
+        reason = self._skip_reason(ex)
+        if reason is not None:
+            self.stats["skipped"] += 1
+            self.writer.write({"kind": "skipped", "uid": turn["uid"], "reason": reason})
+            log.warning("skipped turn %s: %s", turn["uid"], reason)
             return None
-        adv = list(scored["advantages"])
         if self.t.baseline == "mean" and scored["reward"] is not None:
             # An exponential running mean of past rewards (decay 0.9), subtracted from the RL
             # part only: it follows the policy as it improves, where an all-time mean lags.
             if self.baseline_n:
-                adv = [a - self.settings.scoring.w_rl * self.baseline for a in adv]
+                lo = ex["mask"].index(1.0)
+                ex["adv"][lo:] = [a - self.settings.scoring.w_rl * self.baseline
+                                  for a in ex["adv"][lo:]]
                 self.baseline = 0.9 * self.baseline + 0.1 * scored["reward"]
             else:
                 self.baseline = scored["reward"]
             self.baseline_n += 1
-        ids = prompt + completion
-        n_prompt = len(prompt) - 1  # targets[t] = ids[t + 1]; completion starts at this index
-        pad = [0.0] * n_prompt
-        return {"inputs": mx.array(ids[:-1])[None], "targets": mx.array(ids[1:])[None],
-                "old": mx.array(pad + choice["logprobs"])[None],
-                "adv": mx.array(pad + adv)[None],
-                "mask": mx.array([0.0] * n_prompt + [1.0] * len(completion))[None],
-                "uid": turn["uid"], "reward": scored["reward"], "tokens": len(completion)}
+        return ex
 
-    def _loss(self, model, ex, n_tokens):
-        logp = losses.token_logprobs(model, ex["inputs"], ex["targets"])
-        loss = self.loss_fn(logp, ex["old"], ex["adv"], ex["mask"], eps_low=self.t.eps_low,
-                            eps_high=self.t.eps_high, beta=self.t.dro_beta)
-        kl = mx.array(0.0)
-        if self.ref_model is not None and self.t.kl_coef > 0:
-            ref = mx.stop_gradient(
-                losses.token_logprobs(self.ref_model, ex["inputs"], ex["targets"]))
-            kl = losses.kl_penalty(logp, ref, ex["mask"])
-            loss = loss + self.t.kl_coef * kl
-        return loss / n_tokens, kl
+    def _skip_reason(self, ex: dict | None) -> str | None:
+        if ex is None:
+            return "no completion tokens"
+        if len(ex["ids"]) > self.t.max_context_tokens:
+            return f"{len(ex['ids'])} tokens > max_context_tokens {self.t.max_context_tokens}"
+        return chunked_grad.over_budget(self.shape, ex, self.t.train_chunk_tokens,
+                                        self.t.prompt_grad, self.memory_budget)
 
     def train_batch(self, batch: list[dict]) -> list[dict]:
         examples = [e for e in (self._example(s) for s in batch) if e is not None]
-        self.stats["skipped"] += len(batch) - len(examples)
         if not examples:
             return []
+        examples = chunked_grad.pack(examples)  # a session's turns in one pass, when exact
         out = []
         for epoch in range(self.t.train_epochs):
             out.append(self.train_step(examples, epoch))
-        self.trained.update(e["uid"] for e in examples)
-        self.stats["turns_trained"] += len(examples)
+        uids = [u for e in examples for u in e["uids"]]
+        self.trained.update(uids)
+        self.stats["turns_trained"] += len(uids)
         return out
 
     def train_step(self, examples: list[dict], epoch: int = 0) -> dict:
         tic = time.perf_counter()
+        self.units = {"units": 0, "max_unit_s": 0.0, "yielded_s": 0.0}
         n_tokens = sum(e["tokens"] for e in examples)  # the normaliser: completion tokens
         grads, total, kl_total = None, 0.0, 0.0
-        for ex in examples:
-            (loss, kl), g = self._grad(self.model, ex, n_tokens)
+        for ex in examples:  # one micro-step per example, itself cut into units
+            (loss, kl), g = chunked_grad.example_grad(
+                self.model, ex, self.loss_fn, n_tokens, chunk=self.t.train_chunk_tokens,
+                prompt_grad=self.t.prompt_grad, between=self._between_units,
+                ref_model=self.ref_model, kl_coef=self.t.kl_coef, eps_low=self.t.eps_low,
+                eps_high=self.t.eps_high, beta=self.t.dro_beta)
             grads = g if grads is None else tree_map(mx.add, grads, g)
-            mx.eval(loss, kl, grads)
-            total += loss.item()
-            kl_total += kl.item()
+            total += loss
+            kl_total += kl
+        unit = time.perf_counter()
         log.info("forward_backward step=%d loss=%.4f tokens=%d", self.step + 1, total, n_tokens)
         if self.t.grad_clip > 0:
             grads, grad_norm = optim.clip_grad_norm(grads, self.t.grad_clip)
@@ -238,6 +314,7 @@ class Trainer:
             grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
         self.optimizer.update(self.model, grads)
         mx.eval(self.model.parameters(), self.optimizer.state)
+        self._between_units(time.perf_counter() - unit)
         self.step += 1
         self.version += 1
         pause = None
@@ -245,7 +322,7 @@ class Trainer:
             pause = self.engine.stats.get("last_swap_ms")
             self.engine.publish_adapter(lora_weights(self.model), self.version)
         log.info("optim_step step=%d version=%d", self.step, self.version)
-        rewards = [e["reward"] for e in examples if e["reward"] is not None]
+        rewards = [r for e in examples for r in e["rewards"] if r is not None]
         mean = sum(rewards) / len(rewards) if rewards else None
         line = {
             "kind": "step", "step": self.step, "adapter_version": self.version, "epoch": epoch,
@@ -253,11 +330,16 @@ class Trainer:
             "reward_mean": mean,
             "reward_std": (math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
                            if rewards else None),
-            "turns": len(examples), "tokens": n_tokens, "grad_norm": float(grad_norm.item()),
+            "turns": sum(len(e["uids"]) for e in examples), "sequences": len(examples),
+            "tokens": n_tokens, "grad_norm": float(grad_norm.item()),
             "step_time_s": round(time.perf_counter() - tic, 4), "previous_swap_pause_ms": pause,  # the engine applies this step's swap later
-            "learning_rate": self.t.learning_rate, "uids": [e["uid"] for e in examples],
+            "learning_rate": self.t.learning_rate, "uids": [u for e in examples for u in e["uids"]],
+            "prompt_grad": self.t.prompt_grad, "units": self.units["units"],
+            "max_unit_s": round(self.units["max_unit_s"], 4),
+            "yielded_s": round(self.units["yielded_s"], 4), "time": round(time.time(), 3),
         }
         self.writer.write(line)
+        metrics.observe_train_step(line)
         self.stats.update(steps=self.step, last_loss=total)
         if self.step % self.t.save_interval == 0:
             self.save()
@@ -270,11 +352,75 @@ class Trainer:
                                self.settings.model_dump(mode="json"), self.t.keep_checkpoints,
                                extra={"baseline": [self.baseline, self.baseline_n]})
 
+    # ---- the operator's actions (control.py): pause, resume, roll back ----
+
+    paused = False  # set from any thread; the loop waits in _control between batches
+    _rollback_request = None  # (checkpoint dir, concurrent Future), done on the trainer thread
+
+    def pause(self) -> None:
+        self.paused = True
+        self.writer.write({"kind": "pause", "step": self.step, "time": time.time()})
+
+    def unpause(self) -> None:  # not `resume`: that one loads the newest checkpoint
+        self.paused = False
+        self.writer.write({"kind": "resume", "step": self.step, "time": time.time()})
+
+    def request_rollback(self, path: Path):
+        """Ask the trainer thread to roll back to checkpoint PATH; a Future of its line."""
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        self._rollback_request = (Path(path), future)
+        self.inbox.put(None)  # wakes _collect: an idle trainer does it at once
+        return future
+
+    def _control(self) -> None:
+        """Between batches, on the trainer thread: do a requested rollback; wait while paused
+        (a batch collected meanwhile is trained after resume, not lost)."""
+        while True:
+            request, self._rollback_request = self._rollback_request, None
+            if request is not None:
+                path, future = request
+                try:
+                    future.set_result(self.rollback(path))
+                except Exception as e:
+                    log.exception("rollback to %s failed", path)
+                    future.set_exception(e)
+            if not (self.paused and self._running):
+                return
+            time.sleep(0.1)
+
+    def rollback(self, path: Path) -> dict:
+        """Load checkpoint PATH's adapter and optimizer state, publish it as a NEW adapter
+        version, and train on from it. It takes a step number of its own, saved at once: no
+        checkpoint is overwritten, and a restart resumes from the rolled-back adapter."""
+        adapter, opt_state, state = load_checkpoint(path)
+        self.model.update(tree_unflatten(list(adapter.items())))
+        self.optimizer.state = opt_state
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        self.baseline, self.baseline_n = state.get("baseline", [0.0, 0])
+        self.step += 1
+        self.version += 1
+        if self.engine is not None:
+            self.engine.publish_adapter(lora_weights(self.model), self.version)
+        line = {"kind": "rollback", "step": self.step, "adapter_version": self.version,
+                "checkpoint": str(path), "checkpoint_step": state["step"],
+                "checkpoint_adapter_version": state["adapter_version"], "training": True,
+                "time": time.time()}
+        self.writer.write(line)
+        self.stats.update(steps=self.step)
+        self.save()
+        log.info("rolled back to %s: now step %d, adapter version %d", path.name, self.step,
+                 self.version)
+        return line
+
 
 def released_turns(data_dir: Path, w_opd: float, w_rl: float,
-                   skip: set[str] = frozenset()) -> list[dict]:
+                   skip: set[str] = frozenset(), max_attempts: int = 2) -> list[dict]:
     """Every turn released for training in DATA_DIR's records (latest release wins), rebuilt
-    into what the scorer hands the trainer live. Used to resume and by `rlproxy train`."""
+    into what the scorer hands the trainer live, less quarantined turns (train_journal.py).
+    Used to resume and by `rlproxy train`."""
+    skip = set(skip) | quarantined_uids(data_dir, max_attempts)
     scores, releases = {}, {}
     for line in read_jsonl(Path(data_dir) / "prm_scores.jsonl"):
         if line.get("kind") == "score":

@@ -149,7 +149,7 @@ def test_restart_reads_from_disk(tiny, tmp_path):
         second.close()
 
 
-def _changed_adapter(model, seed: int) -> dict[str, mx.array]:
+def changed_adapter(model, seed: int) -> dict[str, mx.array]:
     mx.random.seed(seed)
     weights = {k: v + 0.05 * mx.random.normal(v.shape) if k.endswith("lora_b") else v
                for k, v in lora_weights(model).items()}
@@ -157,7 +157,7 @@ def _changed_adapter(model, seed: int) -> dict[str, mx.array]:
     return weights
 
 
-def _publish(engine: Engine, weights, version: int) -> None:
+def publish(engine: Engine, weights, version: int) -> None:
     engine.publish_adapter(weights, version)
     deadline = time.time() + 30
     while engine.adapter_version != version:
@@ -166,17 +166,18 @@ def _publish(engine: Engine, weights, version: int) -> None:
 
 
 def test_other_adapter_versions_are_never_used(tmp_path):
+    """With --kv-reuse-max-lag 0 (exact KV only); test_kv_lag.py covers the lag."""
     loaded = load_serving_model(ModelSettings())  # its weights change here
     reference = load_serving_model(ModelSettings())
     rng = random.Random(3)
     p0 = random_tokens(rng, 120)
-    e = Engines(loaded, tmp_path / "pc", reference_model=reference.model)
+    e = Engines(loaded, tmp_path / "pc", reference_model=reference.model, kv_reuse_max_lag=0)
     try:
         tokens, _, _ = e.run(p0)
         prompt = p0 + tokens + random_tokens(rng, 20)
         assert e.run(prompt)[2] == len(p0) + len(tokens)  # version 0 hits under version 0
-        v1 = _changed_adapter(loaded.model, seed=1)
-        _publish(e.engine, v1, 1)
+        v1 = changed_adapter(loaded.model, seed=1)
+        publish(e.engine, v1, 1)
         reference.model.update(tree_unflatten(list(v1.items())))
         e.cache.flush()
         assert e.cache.counters()["entries"] == 0  # version 0 can never be served again
@@ -192,10 +193,10 @@ def test_other_adapter_versions_are_never_used(tmp_path):
         e.close()
     # After a restart, version 1 again but other weights: the fingerprint tells them apart.
     fresh = load_serving_model(ModelSettings())
-    e = Engines(fresh, tmp_path / "pc", reference_model=reference.model)
+    e = Engines(fresh, tmp_path / "pc", reference_model=reference.model, kv_reuse_max_lag=0)
     try:
-        v1_other = _changed_adapter(fresh.model, seed=2)
-        _publish(e.engine, v1_other, 1)
+        v1_other = changed_adapter(fresh.model, seed=2)
+        publish(e.engine, v1_other, 1)
         reference.model.update(tree_unflatten(list(v1_other.items())))
         got = e.run(prompt)
         assert got[2] == 0

@@ -1,0 +1,135 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages dialect.
+
+Parses and translates the body (messages_input.py), runs the turn through turns.serve_turn like
+every other dialect (session, generation, record: `api: "messages"`), and writes the answer back
+as a message body or its SSE events (messages_output.py). Also reads Claude Code's own session
+header into the session protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+from contextlib import aclosing
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from rlproxy.api import messages_output as out
+from rlproxy.api.messages_input import CountTokensRequest, MessagesRequest, parse, \
+    to_chat_request
+from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept, serve_turn
+from rlproxy.appkeys import MODEL
+from rlproxy.completions import EngineFailure, build_prompt
+from rlproxy.protocol import APIError
+from rlproxy.sessions import parse_turn_tags
+
+PING_INTERVAL_S = 5.0  # a long prompt's prefill takes minutes here; keep the line alive
+
+
+def session_headers(headers):
+    """Claude Code names its session in X-Claude-Code-Session-Id (a UUID): read it as the
+    session protocol's X-Session-Id, unless the client set that one itself. Its title, probe and
+    sub-agent calls then share the session, and threads (sessions.py) tell them apart."""
+    claude_code = headers.get("X-Claude-Code-Session-Id")
+    if claude_code is None or "X-Session-Id" in headers:
+        return headers
+    merged = CIMultiDict(headers)
+    merged["X-Session-Id"] = claude_code
+    return merged
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    req = to_chat_request(parse(await request.read(), MessagesRequest))
+    tags = parse_turn_tags(session_headers(request.headers), req)
+    try:
+        return await serve_turn(request, req, tags, "messages",
+                                stream_message if req.stream else full_message, replay)
+    except APIError as e:
+        raise in_anthropic_words(e) from None
+
+
+def in_anthropic_words(err: APIError) -> APIError:
+    """A context overflow said as Anthropic says it. Claude Code matches these words: on
+    "prompt is too long: N tokens > M" it compacts its history, on "input length and
+    `max_tokens` exceed context limit: P + T > M" it retries with a smaller max_tokens.
+    The numbers come from completions.sampling_params' message (test_messages checks both)."""
+    if err.code != "context_length_exceeded":
+        return err
+    numbers = [int(n) for n in re.findall(r"\d+", err.message)]
+    if err.param == "messages":  # "... length is {context} tokens ... resulted in {prompt} ..."
+        context, prompt = numbers[:2]
+        message = f"prompt is too long: {prompt} tokens > {context} maximum"
+    else:  # "... length is {context} ... requested {sum} tokens ({prompt} in the messages, {max})"
+        context, _, prompt, max_tokens = numbers[:4]
+        message = (f"input length and `max_tokens` exceed context limit: {prompt} + "
+                   f"{max_tokens} > {context}, decrease input length or `max_tokens` and try again")
+    return APIError(err.status, message, param=err.param, code=err.code)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's length exactly as /v1/messages would template it."""
+    req = to_chat_request(parse(await request.read(), CountTokensRequest))
+    loop = asyncio.get_running_loop()
+    prompt = await loop.run_in_executor(None, build_prompt, request.app[MODEL].tokenizer, req)
+    return json_response({"input_tokens": len(prompt.ids)})
+
+
+def _ending(call: Call) -> tuple[str, str | None, dict]:
+    """stop_reason, stop_sequence and usage of the finished (single) choice."""
+    rec, text = call.gen.records[0], call.gen.texts[0]
+    u = call.gen.usage()
+    use = out.usage(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"],
+                    u["completion_tokens"])
+    return out.stop_reason(rec.finish_reason, text.stop_sequence), text.stop_sequence, use
+
+
+async def full_message(call: Call):
+    blocks = out.Blocks()
+    for ev in await drain(call):
+        for kind, value in ev.deltas:
+            blocks.add(kind, value)
+    stop, stop_sequence, use = _ending(call)
+    body = out.message(out.message_id(), call.req.model, blocks.content, stop, stop_sequence, use)
+    call.file_turn()
+    return json_response(body, headers=call.headers), {"body": body, "events": None}
+
+
+async def stream_message(call: Call):
+    resp = await open_sse(call.request, call.headers)
+    mid, sent = out.message_id(), []
+
+    async def send(payload: bytes) -> None:
+        sent.append(payload)
+        await resp.write(payload)
+
+    await send(out.message_start(mid, call.req.model, len(call.prompt.ids)))
+    await resp.write(out.PING)
+    blocks = out.Blocks()
+    try:
+        async with aclosing(out.with_pings(call.events(), PING_INTERVAL_S)) as events:
+            async for ev in events:
+                if ev is None:  # still prefilling (or a long silence): tell the client we are here
+                    await resp.write(out.PING)
+                    continue
+                for kind, value in ev.deltas:
+                    for name, data in blocks.add(kind, value):
+                        await send(out.event(name, data))
+    except EngineFailure as e:
+        err = out.error_body(APIError(500, f"generation failed: {e}", type="server_error"))
+        await resp.write(out.event("error", err))
+        await resp.write_eof()
+        return resp, None
+    for name, data in blocks.close():
+        await send(out.event(name, data))
+    stop, stop_sequence, use = _ending(call)
+    body = out.message(mid, call.req.model, blocks.content, stop, stop_sequence, use)
+    call.file_turn()  # journaled before the client hears the message is done
+    for payload in out.message_end(stop, stop_sequence, use):
+        await send(payload)
+    await resp.write_eof()
+    return resp, {"body": body, "events": sent}
+
+
+replay = functools.partial(replay_kept, body_as_events=out.body_as_events)

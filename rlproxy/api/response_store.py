@@ -1,0 +1,50 @@
+"""Stored Responses (`store: true`): what GET/DELETE /v1/responses/{id} and
+`previous_response_id` read, kept under `<data dir>/responses`.
+
+One diskcache directory, bounded by `--responses-store-mb` (the oldest stored go first), durable
+across restarts (SQLite in WAL mode). An entry is JSON: the Response object as sent, the chat
+conversation it ended (input messages + the assistant reply, without `instructions`), and the
+session and thread the turn was filed under, so a follow-up continues the same session thread.
+Not a record file: the turns themselves are recorded by the session store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import diskcache
+import orjson
+from aiohttp import web
+
+from rlproxy.appkeys import RESPONSES
+from rlproxy.settings import Settings
+
+
+def open_response_store(directory: Path, limit_mb: float) -> diskcache.Cache:
+    return diskcache.Cache(str(directory), size_limit=int(limit_mb * 1024 * 1024),
+                           eviction_policy="least-recently-stored")
+
+
+def keep(store: diskcache.Cache, response_id: str, entry: dict) -> None:
+    store.set(response_id, orjson.dumps(entry))
+
+
+def find(store: diskcache.Cache, response_id: str) -> dict | None:
+    raw = store.get(response_id)
+    return None if raw is None else orjson.loads(raw)
+
+
+def forget(store: diskcache.Cache, response_id: str) -> bool:
+    return store.delete(response_id)
+
+
+def response_store_context(settings: Settings):
+    async def ctx(app: web.Application):
+        store = open_response_store(settings.records.data_dir / "responses",
+                                    settings.records.responses_store_mb)
+        app[RESPONSES] = store
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, store.close)
+
+    return ctx

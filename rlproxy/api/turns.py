@@ -1,0 +1,214 @@
+"""The one path every API dialect takes: from an internal chat request to a filed turn.
+
+Order of work: replay a stored response for a repeated X-Request-Id -> template the prompt ->
+token budget -> resolve the session (which links the session's previous turn to its next
+state) -> generate -> the dialect writes its response from `Generation.events()` and calls
+`Call.file_turn()` (journal the finished turn) before the response's last bytes -> cancel what
+a gone client left running -> keep (or forget) the response for idempotent retries. A request
+that opted out (X-RL-Opt-Out) is served and never filed.
+
+Owns nothing about any dialect's shapes: a dialect passes in `write` (its response from a
+`Call`) and `replay` (a stored response sent again). Parsing is the dialect's job too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from rlproxy import metrics
+from rlproxy.appkeys import ENGINE, MODEL, SESSIONS, SETTINGS
+from rlproxy.completions import ChoiceEvent, ChoiceRecord, EngineFailure, Generation, Prompt, \
+    build_prompt, sampling_params
+from rlproxy.engine import SamplingParams
+from rlproxy.protocol import APIError, ChatRequest
+from rlproxy.sessions import Placement, Session, Turn, TurnTags
+
+LOGPROB_DEFINITION = ("log_softmax(logits) at temperature 1, after logit_bias and penalties, "
+                      "before temperature and top_p")
+
+
+def json_response(data, status: int = 200, headers=None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def served_names(app: web.Application) -> list[str]:
+    return app[SETTINGS].server.served_model_name or [app[MODEL].model_id]
+
+
+@dataclass
+class Call:
+    """One request on its way through the engine: everything a dialect's writer needs."""
+
+    request: web.Request
+    req: ChatRequest
+    tags: TurnTags
+    api: str  # "chat" | "responses" | "messages": recorded on the turn
+    prompt: Prompt
+    params: list[SamplingParams]
+    gen: Generation
+    place: Placement | None  # session, thread, turn type; None when it opted out of recording
+    headers: dict[str, str] = field(default_factory=dict)  # response headers (X-Session-Id ...)
+    turn: Turn | None = None  # set by file_turn
+
+    @property
+    def session(self) -> Session | None:
+        return self.place.session if self.place else None
+
+    async def events(self):
+        """The generation's events, as a writer shows them: with `parallel_tool_calls: false`
+        a choice keeps its first tool call only (its record keeps every sampled token)."""
+        async for ev in self.gen.events():
+            if not self.req.parallel_tool_calls:
+                first_tool_call_only(ev, self.gen.texts[ev.index].tool_calls,
+                                     self.gen.records[ev.index])
+            yield ev
+
+    def file_turn(self) -> None:
+        """Journal the finished turn; a writer calls it before the response's last bytes."""
+        if self.session is None:
+            return
+        req, gen, store = self.req, self.gen, self.request.app[SESSIONS]
+        self.turn = Turn(
+            uid=uuid.uuid4().hex, session_id=self.session.id,
+            index=store.next_index(self.session), turn_type=self.place.turn_type,
+            requested_model=req.model, messages=self.prompt.messages, tools=self.prompt.tools,
+            prompt_ids=self.prompt.ids, choices=[asdict(r) for r in gen.records],
+            sampling={"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+                      "max_tokens": self.params[0].max_tokens,
+                      "max_tokens_requested": req.max_tokens,
+                      "max_tokens_clamped": (req.max_tokens or 0) > self.params[0].max_tokens,
+                      "seeds": [p.seed for p in self.params], "logit_bias": req.logit_bias,
+                      "presence_penalty": req.presence_penalty,
+                      "frequency_penalty": req.frequency_penalty,
+                      "logprobs_are": LOGPROB_DEFINITION},
+            timings={"received": gen.started,
+                     "first_token_s": round((gen.first_token_at or gen.started) - gen.started, 4),
+                     "total_s": round(time.time() - gen.started, 4)},
+            turn_id=self.tags.turn_id, step_index=self.tags.step_index,
+            request_id=self.tags.request_id, api=self.api,
+        )
+        store.complete(self.place, self.turn, self.tags.session_done)
+        self.headers["X-Turn-Uid"] = self.turn.uid
+
+
+def first_tool_call_only(ev: ChoiceEvent, parsed: list[dict], rec: ChoiceRecord) -> None:
+    """Drop the tool calls after a choice's first from its event and, once it finished, from its
+    record's `tool_calls` (what the reply and the turn show). `parsed`: every call the choice's
+    text has given so far, this event's included."""
+    before = len(parsed) - sum(kind == "tool_call" for kind, _ in ev.deltas)
+    kept = []
+    for kind, value in ev.deltas:
+        if kind == "tool_call":
+            before += 1
+            if before > 1:
+                continue
+        kept.append((kind, value))
+    ev.deltas = kept
+    if rec.finish_reason is not None:
+        rec.tool_calls = rec.tool_calls[:1]
+
+
+# write(call) -> (the response, what to keep for an idempotent retry or None when it failed)
+Write = Callable[[Call], Awaitable[tuple[web.StreamResponse, object | None]]]
+# replay(request, req, kept) -> the kept response sent again, nothing generated or recorded
+Replay = Callable[[web.Request, ChatRequest, object], Awaitable[web.StreamResponse]]
+
+
+async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api: str,
+                     write: Write, replay: Replay,
+                     thread_hint: str | None = None) -> web.StreamResponse:
+    """Run one turn of any dialect. `thread_hint` names the thread a chained request
+    (Responses' previous_response_id) continues, for the session store."""
+    app = request.app
+    settings, model, engine, store = app[SETTINGS], app[MODEL], app[ENGINE], app[SESSIONS]
+    if settings.server.strict_model_names and req.model not in served_names(app):
+        raise APIError(404, f"The model '{req.model}' does not exist", param="model",
+                       code="model_not_found")
+    # Keyed per API: a retry comes back through the door it first used, in that door's shape.
+    replay_key = f"{api}:{tags.request_id}" if tags.request_id and not tags.opt_out else None
+    if replay_key:
+        kept = store.stored_response(replay_key)
+        if isinstance(kept, asyncio.Future):  # the first attempt is still running
+            kept = await asyncio.shield(kept)
+        if kept is not None:
+            return await replay(request, req, kept)
+    if engine.error is not None or not engine.alive:
+        raise APIError(503, f"the engine is not running: {engine.error}", type="server_error")
+
+    loop = asyncio.get_running_loop()
+    # Templating a 15k-token agent prompt takes tens of ms: keep it off the event loop.
+    prompt = await loop.run_in_executor(None, build_prompt, model.tokenizer, req)
+    params = sampling_params(req, len(prompt.ids), model.context_length,
+                             settings.engine.default_max_tokens, model.vocab_size,
+                             settings.engine.strict_max_tokens)
+    place = None
+    if not tags.opt_out:
+        place = store.resolve(tags, prompt.messages, prompt.tools, req.max_tokens, thread_hint)
+    waiter = None
+    if replay_key:
+        waiter = loop.create_future()
+        store.store_response(replay_key, waiter)
+    call = Call(request, req, tags, api, prompt, params,
+                Generation(engine, model.tokenizer, prompt, params, req,
+                           reasoning=settings.engine.reasoning_parser == "auto"), place,
+                {"X-Session-Id": place.session.id} if place else {})
+    kept = None
+    try:
+        resp, kept = await write(call)
+        return resp
+    finally:
+        call.gen.cancel()  # no-op for finished choices; stops generation for a gone client
+        metrics.observe_call(call)
+        if waiter is not None:
+            if kept is None:  # failed: a retry must generate anew
+                store.forget_response(replay_key)
+            else:
+                store.store_response(replay_key, kept)
+            waiter.set_result(kept)
+
+
+async def drain(call: Call) -> list[ChoiceEvent]:
+    """Run every choice to its end for a non-streamed response; all events, in order."""
+    events = []
+    try:
+        async for ev in call.events():
+            events.append(ev)
+            transport = call.request.transport
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("client went away")
+    except EngineFailure as e:
+        raise APIError(500, f"generation failed: {e}", type="server_error") from None
+    return events
+
+
+async def replay_kept(request: web.Request, req: ChatRequest, kept: dict,
+                      body_as_events: Callable[[dict], list[bytes]]) -> web.StreamResponse:
+    """A repeated X-Request-Id: the kept response again, nothing generated or recorded. `kept`
+    is a writer's {"body", "events": the SSE payloads sent, or None when not streamed};
+    `body_as_events` re-sends a non-streamed body to a streaming retry, in the dialect's shape.
+    A dialect passes it in with functools.partial as its `Replay`."""
+    headers = {"X-Idempotent-Replay": "true"}
+    if not req.stream:
+        return json_response(kept["body"], headers=headers)
+    resp = await open_sse(request, headers)
+    for payload in kept["events"] or body_as_events(kept["body"]):
+        await resp.write(payload)
+    await resp.write_eof()
+    return resp
+
+
+async def open_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+    """A prepared text/event-stream response."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                       **headers})
+    await resp.prepare(request)
+    return resp

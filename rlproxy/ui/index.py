@@ -1,0 +1,195 @@
+"""An incremental index over the record files, for the dashboard.
+
+Each `refresh()` reads only the bytes appended to conversations.jsonl, prm_scores.jsonl and
+training.jsonl since the last call (complete lines only: a line still being written is read
+next time), and keeps small per-turn entries: where its line is, its session, times and token
+counts, its score and release, the step that trained it. A session page then reads just its
+turns' lines by offset, so the dashboard stays fast with 100k turns on disk. Knows nothing of
+HTTP; the records module owns the files and their format.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from rlproxy.records import CONVERSATIONS
+
+SCORES = "prm_scores.jsonl"  # scorer.SCORES and trainer.TRAINING: not imported (MLX-free)
+TRAINING = "training.jsonl"
+
+
+@dataclass(slots=True)
+class TurnEntry:
+    uid: str
+    session_id: str
+    index: int
+    offset: int  # where its line starts in conversations.jsonl
+    length: int
+    received: float
+    first_token_s: float
+    turn_type: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class SessionEntry:
+    id: str
+    first: float
+    last: float
+    turns: list[str] = field(default_factory=list)  # uids, in record order
+
+
+def day(t: float) -> str:
+    return time.strftime("%Y-%m-%d", time.localtime(t))
+
+
+class RecordIndex:
+    """Thread-safe: `refresh` and the readers take one lock (the server calls them from a
+    worker thread, so a long first scan never blocks the event loop)."""
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = Path(data_dir)
+        self.offsets: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.turns: dict[str, TurnEntry] = {}
+        self.sessions: dict[str, SessionEntry] = {}
+        self.scores: dict[str, tuple[int, int, float | None]] = {}  # uid -> offset, len, reward
+        self.releases: dict[str, dict] = {}  # uid -> {"reward", "reason"}
+        self.feedback: dict[str, dict] = {}
+        self.steps: list[dict] = []  # compact step lines, in order
+        self.events: list[dict] = []  # rollbacks, pauses
+        self.trained: dict[str, tuple[int, float | None]] = {}  # uid -> (step, time)
+        self.skipped: dict[str, str] = {}
+        self.by_day: dict[str, Counter] = defaultdict(Counter)
+
+    # ---- reading new bytes ----
+
+    def refresh(self) -> None:
+        with self.lock:
+            self._read_new(CONVERSATIONS, self._on_turn)
+            self._read_new(SCORES, self._on_score)
+            self._read_new(TRAINING, self._on_training)
+
+    def _read_new(self, name: str, handle) -> None:
+        path = self.data_dir / name
+        start = self.offsets.get(name, 0)
+        try:
+            if path.stat().st_size <= start:
+                return
+        except FileNotFoundError:
+            return
+        with open(path, "rb") as f:
+            f.seek(start)
+            pos = start
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # still being written (or torn): read it next time
+                try:
+                    record = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    record = None
+                if isinstance(record, dict):
+                    handle(record, pos, len(line))
+                pos += len(line)
+        self.offsets[name] = pos
+
+    def _on_turn(self, r: dict, offset: int, length: int) -> None:
+        try:
+            choice = r["choices"][r.get("chosen_choice", 0)]
+            timings = r.get("timings") or {}
+            e = TurnEntry(r["uid"], r["session_id"], int(r.get("index", 0)), offset, length,
+                          float(timings.get("received") or 0.0),
+                          float(timings.get("first_token_s") or 0.0), r.get("turn_type", "main"),
+                          len(r.get("prompt_ids") or ()), len(choice.get("completion_ids") or ()))
+        except (KeyError, IndexError, TypeError, ValueError):
+            return  # not a turn line this dashboard can show
+        self.turns[e.uid] = e
+        s = self.sessions.get(e.session_id)
+        if s is None:
+            s = self.sessions[e.session_id] = SessionEntry(e.session_id, e.received, e.received)
+            self.by_day[day(e.received)]["sessions"] += 1
+        s.turns.append(e.uid)
+        s.first, s.last = min(s.first, e.received), max(s.last, e.received)
+        today = self.by_day[day(e.received)]
+        today["turns"] += 1
+        today["prompt_tokens"] += e.prompt_tokens
+        today["completion_tokens"] += e.completion_tokens
+
+    def _on_score(self, r: dict, offset: int, length: int) -> None:
+        kind, uid = r.get("kind"), r.get("uid")
+        if kind == "score":
+            self.scores[uid] = (offset, length, r.get("reward"))
+        elif kind == "release":
+            self.releases[uid] = {"reward": r.get("reward"), "reason": r.get("reason")}
+        elif kind == "feedback":
+            self.feedback[uid] = {"reward": r.get("reward"), "comment": r.get("comment"),
+                                  "at": r.get("at")}
+
+    def _on_training(self, r: dict, offset: int, length: int) -> None:
+        kind = r.get("kind")
+        if kind == "step":
+            at = r.get("time")
+            self.steps.append({k: r.get(k) for k in (
+                "step", "adapter_version", "loss", "kl", "reward_mean", "reward_std",
+                "grad_norm", "tokens", "turns", "step_time_s", "time")})
+            for uid in r.get("uids") or ():
+                self.trained[uid] = (r.get("step"), at)
+            if at:
+                self.by_day[day(at)]["steps"] += 1
+        elif kind == "skipped":
+            self.skipped[r.get("uid")] = r.get("reason")
+        elif kind in ("rollback", "pause", "resume"):
+            self.events.append(r)
+
+    # ---- reading whole lines back ----
+
+    def _line(self, name: str, offset: int, length: int) -> dict:
+        with open(self.data_dir / name, "rb") as f:
+            f.seek(offset)
+            return orjson.loads(f.read(length))
+
+    def session_turns(self, session_id: str, start: int = 0, limit: int = 100) -> list[dict]:
+        """Full records of one session's turns [start, start + limit), each with its score."""
+        with self.lock:
+            s = self.sessions.get(session_id)
+            uids = s.turns[start:start + limit] if s else []
+            out = []
+            for uid in uids:
+                e = self.turns[uid]
+                record = self._line(CONVERSATIONS, e.offset, e.length)
+                score = self.scores.get(uid)
+                record["score"] = self._line(SCORES, *score[:2]) if score else None
+                record["release"] = self.releases.get(uid)
+                record["feedback"] = self.feedback.get(uid)
+                record["trained"] = self.trained.get(uid)
+                record["skipped"] = self.skipped.get(uid)
+                out.append(record)
+            return out
+
+    def session_list(self, limit: int = 200, only: set[str] | None = None) -> list[dict]:
+        """The LIMIT most recently active sessions (or those named in ONLY), with totals."""
+        with self.lock:
+            if only is not None:
+                recent = [self.sessions[i] for i in only if i in self.sessions]
+            else:
+                recent = sorted(self.sessions.values(), key=lambda s: s.last,
+                                reverse=True)[:limit]
+            out = []
+            for s in recent:
+                rewards = [self.releases[u]["reward"] for u in s.turns
+                           if u in self.releases and self.releases[u]["reward"] is not None]
+                out.append({"id": s.id, "first": s.first, "last": s.last, "turns": len(s.turns),
+                            "trained": sum(1 for u in s.turns if u in self.trained),
+                            "reward_mean": sum(rewards) / len(rewards) if rewards else None})
+            return out
+
+    def today(self) -> dict:
+        with self.lock:
+            return dict(self.by_day.get(day(time.time()), {}))

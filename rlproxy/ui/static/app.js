@@ -1,0 +1,259 @@
+// The rlproxy dashboard: three pages drawn from /ui/api/*. No framework, no build step.
+// Every recorded value is put into the page as text (textContent), never as HTML: agent
+// content is untrusted.
+"use strict";
+
+const view = document.getElementById("view");
+let timer = null;
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "onclick") node.onclick = v;
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) {
+    if (c === null || c === undefined) continue;
+    node.append(c instanceof Node ? c : String(c));  // strings become text nodes
+  }
+  return node;
+}
+
+function svg(tag, attrs) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+  return node;
+}
+
+async function api(path, options) {
+  const r = await fetch(path, Object.assign({credentials: "same-origin"}, options || {}));
+  if (r.status === 401) { location.href = "/ui/login"; throw new Error("not signed in"); }
+  const body = await r.json();
+  if (!r.ok) throw new Error((body.error && body.error.message) || r.statusText);
+  return body;
+}
+
+const fmt = (x, d = 3) => (x === null || x === undefined) ? "–" :
+  (typeof x !== "number" ? String(x) : Number.isInteger(x) ? String(x) :
+   x.toFixed(d).replace(/^-(0\.?0*)$/, "$1"));  // no "-0.0"
+const when = (t) => t ? new Date(t * 1000).toLocaleString() : "–";
+
+// ---- charts: SVG drawn here ----
+
+function lineChart(title, id, series, opts = {}) {
+  const w = 440, h = 200, l = 48, r = 14, t = 22, b = 36;
+  const all = series.flatMap(s => s.pts).filter(p => p[1] !== null && isFinite(p[1]));
+  const box = svg("svg", {id, width: "100%", viewBox: `0 0 ${w} ${h}`});
+  let x0 = Math.min(...all.map(p => p[0])), x1 = Math.max(...all.map(p => p[0]));
+  let y0 = opts.ymin ?? Math.min(...all.map(p => p[1]));
+  let y1 = opts.ymax ?? Math.max(...all.map(p => p[1]));
+  if (!all.length) { x0 = 0; x1 = 1; y0 = opts.ymin ?? 0; y1 = opts.ymax ?? 1; }
+  if (x1 === x0) x1 = x0 + 1;
+  if (y1 === y0) { y1 += 1; y0 -= 1; }
+  const X = x => l + (w - l - r) * (x - x0) / (x1 - x0);
+  const Y = y => t + (h - t - b) * (1 - (y - y0) / (y1 - y0));
+  for (let i = 0; i <= 4; i++) {
+    const y = y0 + (y1 - y0) * i / 4;
+    box.append(svg("line", {x1: l, x2: w - r, y1: Y(y), y2: Y(y), stroke: "#eee"}));
+    const label = svg("text", {x: l - 4, y: Y(y) + 4, "text-anchor": "end"});
+    label.textContent = fmt(y, 2);
+    box.append(label);
+  }
+  for (let i = 0; i <= 4; i++) {
+    const x = x0 + (x1 - x0) * i / 4;
+    const tick = svg("text", {x: X(x), y: h - b + 14, "text-anchor": "middle"});
+    tick.textContent = fmt(x, opts.xdigits ?? 0);
+    box.append(tick);
+  }
+  const xl = svg("text", {x: (l + w - r) / 2, y: h - 4, "text-anchor": "middle"});
+  xl.textContent = opts.xlabel || "";
+  box.append(xl);
+  let k = 0;
+  for (const s of series) {
+    const pts = s.pts.filter(p => p[1] !== null && isFinite(p[1]));
+    if (pts.length) {
+      box.append(svg("polyline", {points: pts.map(p => `${X(p[0])},${Y(p[1])}`).join(" "),
+                                  fill: "none", stroke: s.color, "stroke-width": 1.5}));
+    }
+    if (s.dots) for (const p of pts) {
+      box.append(svg("circle", {cx: X(p[0]), cy: Y(p[1]), r: 2.5, fill: s.color, class: "pt"}));
+    }
+    const key = svg("text", {x: l + 150 * k++, y: 13, fill: s.color});
+    key.textContent = s.name;
+    key.setAttribute("style", `fill:${s.color}`);
+    box.append(key);
+  }
+  return el("div", {class: "card"}, el("h3", {}, title), box);
+}
+
+function rolling(pts, n) {
+  const out = [];
+  for (let i = 0; i < pts.length; i++) {
+    const win = pts.slice(Math.max(0, i - n + 1), i + 1).map(p => p[1]);
+    out.push([pts[i][0], win.reduce((a, b) => a + b, 0) / win.length]);
+  }
+  return out;
+}
+
+function counter(label, value) {
+  return el("div", {class: "counter"}, el("b", {}, fmt(value, 2)), el("span", {}, label));
+}
+
+// ---- pages ----
+
+async function overview() {
+  const d = await api("/ui/api/overview");
+  const steps = d.steps;
+  const reward = steps.filter(s => s.reward_mean !== null).map(s => [s.step, s.reward_mean]);
+  const live = d.live.map(p => Object.assign({}, p, {x: (p.t - Date.now() / 1000) / 60}));
+  const tr = d.trainer, sc = d.scoring, today = d.today;
+  const state = !tr.enabled ? "off" : tr.error ? "error" : tr.paused ? "paused" : "training";
+  document.getElementById("status").textContent =
+    `${d.model} · adapter v${d.adapter_version} · trainer ${state}`;
+  return el("div", {},
+    el("h2", {}, "Today"),
+    el("div", {class: "counters", id: "counters"},
+      counter("turns recorded", today.turns || 0), counter("sessions", today.sessions || 0),
+      counter("prompt tokens", today.prompt_tokens || 0),
+      counter("completion tokens", today.completion_tokens || 0),
+      counter("optimizer steps", today.steps || 0), counter("sessions open", d.sessions_open),
+      counter("turns scored", sc.scored), counter("released to training", sc.released),
+      counter("waiting for a judge", sc.pending), counter("trainer step", tr.step ?? "off"),
+      counter("trainer queue", tr.queued ?? 0), counter("adapter version", d.adapter_version)),
+    el("h2", {}, "Learning"),
+    el("div", {class: "grid"},
+      lineChart("Reward per optimizer step", "chart-reward", [
+        {name: "reward (step mean)", color: "#1f77b4", pts: reward, dots: true},
+        {name: "rolling mean (10)", color: "#ff7f0e", pts: rolling(reward, 10)}],
+        {xlabel: "step", ymin: -1, ymax: 1}),
+      lineChart("Loss and KL", "chart-loss", [
+        {name: "loss", color: "#d62728", pts: steps.map(s => [s.step, s.loss])},
+        {name: "KL", color: "#9467bd", pts: steps.map(s => [s.step, s.kl])}],
+        {xlabel: "step"})),
+    el("h2", {}, "Serving (last 30 minutes)"),
+    el("div", {class: "grid"},
+      lineChart("Time to first token (s)", "chart-ttft", [
+        {name: "p50", color: "#2ca02c", pts: live.map(p => [p.x, p.ttft_p50])},
+        {name: "p95", color: "#d62728", pts: live.map(p => [p.x, p.ttft_p95])}],
+        {xlabel: "minutes (0 = now)", ymin: 0, xdigits: 1}),
+      lineChart("Prefix cache hit rate", "chart-cache", [
+        {name: "hits / lookups", color: "#17becf", pts: live.map(p => [p.x, p.cache_hit_rate])}],
+        {xlabel: "minutes (0 = now)", ymin: 0, ymax: 1, xdigits: 1}),
+      lineChart("Tokens per second", "chart-tps", [
+        {name: "generated", color: "#8c564b", pts: live.map(p => [p.x, p.tokens_per_s])}],
+        {xlabel: "minutes (0 = now)", ymin: 0, xdigits: 1})));
+}
+
+function sessionTable(rows, open) {
+  return el("table", {},
+    el("tr", {}, el("th", {}, "session"), el("th", {}, "turns"), el("th", {}, "trained"),
+      el("th", {}, "mean reward"), el("th", {}, open ? "last active" : "last turn")),
+    ...rows.map(s => el("tr", {},
+      el("td", {}, el("a", {href: "#/session/" + encodeURIComponent(s.id)}, s.id)),
+      el("td", {}, fmt(s.turns)), el("td", {}, fmt(s.trained)),
+      el("td", {}, fmt(s.reward_mean, 2)), el("td", {}, when(s.last_active || s.last)))));
+}
+
+async function sessions() {
+  const d = await api("/ui/api/sessions");
+  return el("div", {},
+    el("h2", {}, `Open sessions (${d.open.length})`), sessionTable(d.open, true),
+    el("h2", {}, "Recent sessions"), sessionTable(d.recent, false));
+}
+
+function messages(list) {
+  return el("div", {}, ...list.map(m => el("pre", {},
+    `${m.role}: ${m.content ?? ""}` + (m.tool_calls ? "\n" + JSON.stringify(m.tool_calls) : ""))));
+}
+
+function turnCard(t) {
+  const calls = (t.tool_calls || []).map(c => `${c.function.name}(${c.function.arguments})`);
+  const reward = t.release ? `${fmt(t.release.reward, 2)} (${t.release.reason})` :
+    t.score_reward !== undefined && t.score_reward !== null ? `${fmt(t.score_reward, 2)} (held)` :
+    "not scored yet";
+  const trained = t.trained ? `yes, step ${t.trained.step}` +
+    (t.trained.time ? ` at ${when(t.trained.time)}` : "") :
+    t.skipped ? `skipped: ${t.skipped}` : t.turn_type === "side" ? "no (side turn)" : "not yet";
+  return el("div", {class: "card turn", "data-uid": t.uid},
+    el("h3", {}, `#${t.index} · ${t.turn_type} · ${t.api || ""} · ${when(t.received)} · ` +
+      `${fmt(t.prompt_tokens)}+${fmt(t.completion_tokens)} tokens · adapter ` +
+      `${(t.adapter_versions || []).join(",")}`),
+    el("div", {class: "label"}, "prompt (tail)"), messages(t.prompt_tail || []),
+    el("div", {class: "label"}, "reply"), el("pre", {class: "reply"}, t.reply ?? ""),
+    calls.length ? el("div", {class: "label"}, "tool calls") : null,
+    calls.length ? el("pre", {}, calls.join("\n")) : null,
+    el("div", {class: "label"}, "next state"),
+    t.next_state ? el("div", {class: "next-state"}, messages(t.next_state))
+                 : el("pre", {}, `(none: ${t.end})`),
+    (t.votes || []).length ? el("div", {class: "label"}, "judge votes") : null,
+    ...(t.votes || []).map(v => el("pre", {}, `vote ${fmt(v.vote)}: ${v.text ?? v.error}`)),
+    t.hint ? el("pre", {}, "hint: " + t.hint) : null,
+    el("div", {class: "label"}, "reward"), el("div", {class: "reward"}, reward),
+    t.feedback ? el("div", {}, `feedback ${t.feedback.reward}: ${t.feedback.comment ?? ""}`) : null,
+    el("div", {class: "label"}, "trained"), el("div", {class: "trained"}, trained));
+}
+
+async function session(id) {
+  const d = await api("/ui/api/sessions/" + encodeURIComponent(id));
+  return el("div", {},
+    el("h2", {}, `Session ${d.id} · ${d.open ? "open" : "closed" + (d.closed ? " (" + d.closed + ")" : "")}` +
+      ` · ${d.recorded_turns} recorded turns`),
+    ...d.turns.map(turnCard), ...d.waiting.map(turnCard));
+}
+
+async function act(path) {
+  try { await api(path, {method: "POST"}); } catch (e) { alert(e.message); }
+  route();
+}
+
+async function adapters() {
+  const d = await api("/ui/api/adapters");
+  const tr = d.trainer;
+  return el("div", {},
+    el("h2", {}, `Served adapter version ${d.served_version}`),
+    tr.enabled ? el("button", {id: "pause", onclick: () =>
+      act(tr.paused ? "/ui/api/training/resume" : "/ui/api/training/pause")},
+      tr.paused ? "Resume training" : "Pause training")
+      : el("p", {}, "Training is off (--no-train)."),
+    el("h2", {}, "Checkpoints"),
+    el("table", {},
+      el("tr", {}, ...["step", "adapter version", "saved", "reward (5 steps)", "loss (5 steps)",
+                       "", ""].map(h => el("th", {}, h))),
+      ...d.checkpoints.map(c => el("tr", {},
+        el("td", {}, c.step),
+        el("td", {}, c.adapter_version + (c.adapter_version === d.served_version ? " (served)" : "")),
+        el("td", {}, when(c.time)),
+        el("td", {}, fmt(c.reward_mean, 3)), el("td", {}, fmt(c.loss_mean, 4)),
+        el("td", {}, el("a", {href: `/ui/api/adapters/${c.step}.zip`}, "download .zip")),
+        el("td", {}, el("button", {onclick: () => {
+          if (confirm(`Serve the adapter of step ${c.step} as a new version?`))
+            act(`/ui/api/adapters/${c.step}/serve`);
+        }}, "serve this one"))))),
+    el("h2", {}, "Actions"),
+    d.events.length ? null : el("p", {}, "No rollback or pause yet."),
+    el("table", {}, ...d.events.map(e => el("tr", {}, el("td", {}, e.kind),
+      el("td", {}, e.kind === "rollback" ? `to step ${e.checkpoint_step} as adapter v${e.adapter_version}` :
+        `at step ${e.step}`), el("td", {}, when(e.time))))));
+}
+
+async function route() {
+  clearTimeout(timer);
+  const hash = location.hash || "#/";
+  let page, every = 5000;
+  if (hash.startsWith("#/session/")) {
+    page = () => session(decodeURIComponent(hash.slice("#/session/".length)));
+  } else if (hash === "#/sessions") page = sessions;
+  else if (hash === "#/adapters") page = adapters;
+  else { page = overview; every = 3000; }
+  try {
+    const node = await page();
+    view.replaceChildren(node);
+    document.body.dataset.loaded = hash;
+  } catch (e) {
+    view.replaceChildren(el("p", {class: "neg"}, "Could not load: " + e.message));
+  }
+  timer = setTimeout(route, every);
+}
+
+window.addEventListener("hashchange", route);
+route();

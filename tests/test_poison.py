@@ -1,0 +1,334 @@
+"""No poison turn: a turn whose training step kills the process or raises is retried once, then
+quarantined, and the server comes up, serves and trains the other turns.
+
+The kill test runs the real `rlproxy serve` as a subprocess, drives it with the openai SDK, and
+SIGKILLs it while the train journal shows a step over a long turn running: once on the first
+attempt, once on the retry after the restart. The raise test writes a turn record whose
+log-probs lost an entry (so its loss cannot be built) into a real data directory and starts the
+real app on it with training on. The rest drive the real trainer on the tiny model: the turns of
+a several-turn step that died, ids outside the vocabulary, and steps lost since the last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+
+from rlproxy.model import load_serving_model
+from rlproxy.settings import ModelSettings
+from rlproxy.train_journal import JOURNAL
+from rlproxy.trainer import Trainer, released_turns, training_copy
+from conftest import ServerThread, make_settings, read_records
+from test_durability import free_port, read_lines, stop
+
+REPO = Path(__file__).resolve().parents[1]
+REWARD_MODULE = "def reward(turn, next_state):\n    return 1.0\n"
+# ~3,500 prompt tokens (one per word with the embedded tokenizer). With --prompt-grad full one
+# step over it on the tiny model takes seconds (8.9 s measured on the shared 2-core CPU), long
+# enough to see its journal line, then SIGKILL the server inside it; both such steps are killed,
+# so the test never waits for one to finish.
+LONG_WORDS = 3500
+COMMON = ["the", "of", "and", "to", "in", "is", "that", "it", "was", "for"]
+
+
+def journal(data: Path) -> list[dict]:
+    return read_lines(data / JOURNAL) if (data / JOURNAL).exists() else []
+
+
+def serve(data: Path, tmp: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """`rlproxy serve` with training on, one turn per step and a reward function; waits until
+    /healthz answers, without asserting it is ok (the caller checks)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RLPROXY_") or k == "RLPROXY_CACHE_DIR"}
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+        [str(tmp), str(REPO), env.get("PYTHONPATH", "")]))
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlproxy.cli", "serve", "--port", str(port), "--data-dir",
+             str(data), "--log-level", "WARNING", "--batch-size", "1", "--no-judge",
+             "--no-at-least-one", "--reward-function", "poison_reward:reward",
+             "--save-interval", "1000", "--no-prefix-cache", "--prompt-grad", "full"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()}"
+        try:
+            requests.get(url + "/healthz", timeout=2)
+            return proc, url
+        except requests.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"server did not answer in 120 s:\n{log.read_text()}")
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(url: str, sid: str, content: str) -> str:
+    """One finished session of one turn (released for training at once); its turn's uid."""
+    raw = client(url).chat.completions.with_raw_response.create(
+        model="m", messages=[{"role": "user", "content": content}], max_tokens=8, seed=1,
+        extra_headers={"X-Session-Id": sid, "X-Session-Done": "1"})
+    assert raw.parse().choices[0].finish_reason in ("length", "stop")
+    return raw.headers["X-Turn-Uid"]
+
+
+def wait_for_start(data: Path, uid: str, attempt: int, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in journal(data):
+            if line["kind"] == "step_start" and line["uids"] == [uid] \
+                    and line["attempt"] == attempt:
+                return line
+        time.sleep(0.01)
+    raise AssertionError(f"no step over {uid} (attempt {attempt}) in {timeout} s: "
+                         f"{journal(data)}")
+
+
+def kill_inside(proc: subprocess.Popen, data: Path, start: dict) -> None:
+    """SIGKILL now, and check the step was still running (no end line)."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    ends = [ln for ln in journal(data) if ln["kind"] == "step_end" and ln["n"] == start["n"]]
+    assert not ends, f"the step ended before the kill ({ends}): make the long turn longer"
+
+
+def health(url: str) -> dict:
+    r = requests.get(url + "/healthz", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def trained_uids(data: Path) -> list[str]:
+    return [u for line in read_lines(data / "training.jsonl") if line.get("kind") == "step"
+            for u in line["uids"]]
+
+
+def test_a_turn_killed_in_its_step_twice_is_quarantined_and_the_server_serves(tmp_path):
+    (tmp_path / "poison_reward.py").write_text(REWARD_MODULE)
+    data, log = tmp_path / "data", tmp_path / "server.log"
+    rng = random.Random(0)
+    long_text = " ".join(rng.choice(COMMON) for _ in range(LONG_WORDS))
+    procs = []
+    try:
+        # 1. the long turn's first step: killed inside it
+        proc, url = serve(data, tmp_path, log)
+        procs.append(proc)
+        long_uid = chat(url, "long", long_text)
+        kill_inside(proc, data, wait_for_start(data, long_uid, attempt=1))
+
+        # 2. restart: it serves while the turn is retried (alone); killed inside the retry
+        proc, url = serve(data, tmp_path, log)
+        procs.append(proc)
+        assert health(url)["status"] == "ok"
+        during = chat(url, "during-retry", "A short question while the retry runs.")
+        retry = wait_for_start(data, long_uid, attempt=2)
+        kill_inside(proc, data, retry)
+
+        # 3. restart: the turn is quarantined, the server serves and trains the others
+        proc, url = serve(data, tmp_path, log)
+        procs.append(proc)
+        trainer = health(url)["trainer"]
+        assert trainer["quarantined"] == 1 and trainer["alive"] and trainer["error"] is None
+        after = chat(url, "after", "And one after the restart.")
+        deadline = time.monotonic() + 60
+        while not {during, after} <= set(trained_uids(data)):
+            assert time.monotonic() < deadline, (trained_uids(data), journal(data))
+            time.sleep(0.1)
+        assert long_uid not in trained_uids(data)
+        trainer = health(url)["trainer"]
+        assert (trainer["quarantined"], trainer["error"], trainer["alive"]) == (1, None, True)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        for p in procs:
+            stop(p)
+    lines = journal(data)
+    mine = [ln for ln in lines if long_uid in ln.get("uids", [ln.get("uid")])]
+    assert [ln["kind"] for ln in mine] == ["step_start", "step_start", "quarantined"], mine
+    died = [ln for ln in lines if ln["kind"] == "step_end" and ln.get("died")]
+    assert [ln["n"] for ln in died] == [mine[0]["n"], mine[1]["n"]]  # each ended at a restart
+    assert "died" in mine[2]["reason"] and mine[2]["attempts"] == 2
+    assert all(ln["schema_version"] == 1 for ln in lines)
+    # never trained again: not by the next resume, not by `rlproxy train --from`
+    assert long_uid not in {s["turn"]["uid"] for s in released_turns(data, 1.0, 1.0)}
+    assert {during, after} <= {s["turn"]["uid"] for s in released_turns(data, 1.0, 1.0)}
+
+
+def poisoned_copy(record: dict) -> dict:
+    """A real turn record whose behaviour log-probs lost their last entry, under a new uid:
+    its loss cannot be built, so every step over it raises."""
+    bad = json.loads(json.dumps(record))
+    bad["uid"] = "poison-" + record["uid"]
+    bad["session_id"] = "poison-session"
+    bad["choices"][0]["logprobs"] = bad["choices"][0]["logprobs"][:-1]
+    return bad
+
+
+def wait_until(check, timeout: float = 60, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+    return found
+
+
+@pytest.fixture(scope="module")
+def own():
+    return load_serving_model(ModelSettings())  # trained here: a private copy
+
+
+def test_a_step_that_raises_is_retried_turn_by_turn_and_its_turn_quarantined(own, tmp_path):
+    flags = dict(judge=False, at_least_one=False, reward_functions=["test_trainer:target_reward"],
+                 save_interval=1000, prefix_cache=False)
+    with ServerThread(make_settings(tmp_path, **flags), own) as s:  # record, no training
+        first = [chat(s.url, f"rec-{i}", f"hello {i}") for i in range(2)]
+        wait_until(lambda: len([r for r in read_records(tmp_path, "prm_scores.jsonl")
+                                if r["kind"] == "release"]) == 2, what="release")
+    record = next(r for r in read_records(tmp_path) if r["uid"] == first[0])
+    bad = poisoned_copy(record)
+    with open(tmp_path / "conversations.jsonl", "a") as f:  # trainable, not yet scored
+        f.write(json.dumps(bad) + "\n")
+
+    settings = make_settings(tmp_path, train=True, batch_size=2, **flags)
+    with ServerThread(settings, own) as s:
+        # resumed: the two released turns train together; the poison one is scored, released,
+        # and waits for a partner
+        wait_until(lambda: set(first) <= set(trained_uids(tmp_path)), what="resume")
+        partner = chat(s.url, "partner", "a turn that shares the poison turn's step")
+        wait_until(lambda: partner in trained_uids(tmp_path), what="partner")
+        trainer = health(s.url)["trainer"]
+        assert trainer["alive"] and trainer["error"] is None
+        assert (trainer["quarantined"], trainer["failed_steps"]) == (1, 2)
+        later = [chat(s.url, f"later-{i}", f"later {i}") for i in range(2)]
+        wait_until(lambda: set(later) <= set(trained_uids(tmp_path)), what="later")
+        assert health(s.url)["trainer"]["alive"]
+
+    steps = [(ln["kind"], ln.get("uids", ln.get("uid")), ln.get("attempt"), ln.get("ok"))
+             for ln in journal(tmp_path)]
+    assert steps == [
+        ("step_start", first, 1, None), ("step_end", None, None, True),
+        ("step_start", [bad["uid"], partner], 1, None), ("step_end", None, None, False),
+        ("step_start", [bad["uid"]], 2, None), ("step_end", None, None, False),
+        ("quarantined", bad["uid"], None, None),
+        ("step_start", [partner], 2, None), ("step_end", None, None, True),
+        ("step_start", later, 1, None), ("step_end", None, None, True),
+    ], steps
+    quarantine = journal(tmp_path)[6]
+    assert "ValueError" in quarantine["reason"] or "shape" in quarantine["reason"], quarantine
+    assert bad["uid"] not in trained_uids(tmp_path)
+    assert bad["uid"] not in {t["turn"]["uid"] for t in released_turns(tmp_path, 1.0, 1.0)}
+
+
+def make_scored(own, uid: str, completion: list[int]) -> dict:
+    """A scored turn as the scorer hands it to the trainer, on a real templated prompt."""
+    prompt = own.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                               add_generation_prompt=True)
+    turn = {"uid": uid, "prompt_ids": prompt,
+            "choices": [{"completion_ids": completion, "logprobs": [-1.0] * len(completion)}]}
+    return {"turn": turn, "reward": 1.0, "advantages": [1.0] * len(completion)}
+
+
+def test_the_turns_of_a_step_that_died_come_back_alone(own, tmp_path):
+    """A several-turn step the process died in: after the restart each of its turns trains in
+    a step of its own (attempt 2), and new turns still train in full batches."""
+    from rlproxy.train_journal import StepJournal
+
+    dead = StepJournal(tmp_path)
+    dead.start(["a", "b"], 40)  # ... and the process died: no end line
+    dead.close()
+    trainer = Trainer(make_settings(tmp_path, train=True, batch_size=2), training_copy(own),
+                      own.lora_config, data_dir=tmp_path, vocab_size=own.vocab_size)
+    trainer.start()
+    try:
+        for uid in "abcd":
+            trainer.submit(make_scored(own, uid, [5, 6, 7]))
+        wait_until(lambda: set("abcd") <= set(trained_uids(tmp_path)), what="training")
+    finally:
+        trainer.stop()
+    steps = [(ln["uids"], ln["attempt"]) for ln in journal(tmp_path)
+             if ln["kind"] == "step_start"]
+    assert steps == [(["a", "b"], 1), (["a"], 2), (["b"], 2), (["c", "d"], 1)], steps
+    assert journal(tmp_path)[1] | {"time": 0} == {
+        "schema_version": 1, "kind": "step_end", "n": 1, "ok": False, "died": True,
+        "error": "the process died during this step (killed, out of memory or crashed)",
+        "time": 0}
+    assert trainer.alive is False and trainer.error is None
+    assert not [ln for ln in journal(tmp_path) if ln["kind"] == "quarantined"]
+
+
+def test_a_turn_with_ids_outside_the_vocabulary_is_quarantined_without_a_try(own, tmp_path):
+    """Such ids (turns recorded under another model) make MLX's embedding read out of bounds
+    and crash the process rather than raise, so they must never reach a step."""
+    trainer = Trainer(make_settings(tmp_path, train=True), training_copy(own), own.lora_config,
+                      data_dir=tmp_path, vocab_size=own.vocab_size)
+    try:
+        lines = trainer.train_journaled([make_scored(own, "foreign", [5, own.vocab_size + 7]),
+                                         make_scored(own, "fine", [5, 6])])
+    finally:
+        trainer.stop()
+    assert [ln["uids"] for ln in lines] == [["fine"]]
+    quarantined = [ln for ln in journal(tmp_path) if ln["kind"] == "quarantined"]
+    assert [(q["uid"], q["attempts"]) for q in quarantined] == [("foreign", 0)]
+    assert f"token id {own.vocab_size + 7} is outside" in quarantined[0]["reason"]
+    starts = [ln["uids"] for ln in journal(tmp_path) if ln["kind"] == "step_start"]
+    assert starts == [["fine"]]
+
+
+def test_turns_trained_after_the_last_checkpoint_are_trained_again_after_a_kill(own, tmp_path):
+    """A kill loses the updates since the last checkpoint; resume trains those turns again
+    instead of counting them as trained."""
+    settings = make_settings(tmp_path, train=True, batch_size=1, save_interval=2)
+    killed = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
+    for uid in "abc":
+        killed.train_journaled([make_scored(own, uid, [5, 6, 7])])
+    killed.writer.close()  # ... and the process dies: step 3 was never saved
+    killed.journal.close()
+
+    resumed = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
+    try:
+        assert resumed.resume().name == "step_000002" and resumed.step == 2
+        assert resumed.trained == {"a", "b"}
+        line = journal(tmp_path)[-1]
+        assert (line["kind"], line["step"], line["lost_steps"], line["retrain"]) == \
+            ("resumed", 2, 1, ["c"])
+        assert [ln["step"] for ln in resumed.train_journaled([make_scored(own, "c", [5, 6])])] \
+            == [3]
+    finally:
+        resumed.stop()
+    again = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
+    try:  # stopped cleanly: step 3 saved, nothing to redo
+        assert again.resume().name == "step_000003" and again.trained == {"a", "b", "c"}
+    finally:
+        again.stop()
+
+
+def test_a_checkpoint_of_another_lora_layout_is_refused_not_loaded(own, tmp_path):
+    """MLX's `update` takes arrays of any shape: without the check, a rank-8 checkpoint loads
+    into a rank-4 model and training runs on with zero gradients."""
+    trainer = Trainer(make_settings(tmp_path, train=True), training_copy(own), own.lora_config,
+                      data_dir=tmp_path)
+    trainer.save()
+    trainer.stop()
+    settings = make_settings(tmp_path, train=True, lora_rank=4)
+    other = load_serving_model(settings.model)
+    trainer = Trainer(settings, training_copy(other), other.lora_config, data_dir=tmp_path)
+    try:
+        with pytest.raises(ValueError, match="another model or LoRA layout"):
+            trainer.resume()
+    finally:
+        trainer.stop()
