@@ -51,7 +51,8 @@ from mlx.utils import tree_map
 from common import environment, percentile, report
 from rlproxy.engine import Engine, Job, SamplingParams
 from rlproxy.model import LoadedModel, load_serving_model, lora_weights
-from rlproxy.prefix_cache import adapter_fingerprint, open_prefix_cache
+from rlproxy.kv_blobs import adapter_fingerprint
+from rlproxy.prefix_cache import open_prefix_cache
 from rlproxy.records import read_jsonl
 from rlproxy.settings import Settings, load_settings
 from rlproxy.trainer import TRAINING, Trainer, training_copy

@@ -38,7 +38,8 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
 from rlproxy import metrics
-from rlproxy.prefix_cache import PrefixCache, adapter_fingerprint, weights_fingerprint
+from rlproxy.kv_blobs import adapter_fingerprint, weights_fingerprint
+from rlproxy.prefix_cache import PrefixCache
 
 log = logging.getLogger("rlproxy.engine")
 
@@ -84,6 +85,7 @@ class Job:
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
     cached_version: int | None = None  # the adapter version that computed those tokens' KV
     kv_source: tuple | None = None  # (version, namespace) of the oldest adapter in its KV
+    adapter: str | None = None  # a named adapter (add_adapter) to sample from; None: the live one
 
 
 def make_sampler(temperature: float, top_p: float, seed: int, top_k: int = 0):
@@ -164,6 +166,16 @@ class Engine:
         self._inbox.append(("adapter", (weights, version, fingerprint)))
         self._wake.set()
 
+    def add_adapter(self, name: str, model: nn.Module) -> None:
+        """Serve MODEL (the serving model's base arrays with LoRA weights of its own, already
+        evaluated) to jobs whose `adapter` is NAME; every other job keeps the live adapter."""
+        self._inbox.append(("add_adapter", (name, model)))
+        self._wake.set()
+
+    def drop_adapter(self, name: str) -> None:
+        self._inbox.append(("drop_adapter", (name, None)))
+        self._wake.set()
+
     # ---- the thread ----
 
     def _run(self) -> None:
@@ -180,14 +192,16 @@ class Engine:
             if getattr(self, "_gen", None) is not None:
                 self._gen.close()
                 self._gen = None
+            for gen, _ in getattr(self, "_named", {}).values():
+                gen.close()
             gc.collect()  # drop per-request samplers (lazy PRNG keys) here, not at exit
             mx.synchronize()
             mx.clear_streams()  # each MLX thread must, or the process can abort at exit
 
-    def _new_generator(self) -> BatchGenerator:
+    def _new_generator(self, model: nn.Module | None = None) -> BatchGenerator:
         # The stream is made on this thread: MLX streams are per thread.
         return BatchGenerator(
-            self.model,
+            model or self.model,
             stop_tokens=[[t] for t in self.eos_token_ids],
             completion_batch_size=self.max_batch,
             prefill_batch_size=min(8, self.max_batch),
@@ -200,15 +214,18 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.set_adapter(self.adapter_version, adapter_fingerprint(self.model))
         self._jobs: dict[int, Job] = {}
+        self._named: dict[str, tuple] = {}  # adapter name -> (its BatchGenerator, {uid: Job})
         # A token returned by a step was sampled from logits of the previous step's forward
         # pass (BatchGenerator pipelines one step ahead), so it carries that step's version.
         previous_version = self.adapter_version
         while self._running:
             self._drain_inbox()
+            self._step_named()  # named adapters' requests: one step each, between live steps
             if not self._jobs:
                 self.stats["active"] = 0
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+                if not any(jobs for _, jobs in self._named.values()):
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
                 previous_version = self.adapter_version
                 continue
             try:
@@ -231,6 +248,9 @@ class Engine:
                 self._insert(payload)
             elif kind == "cancel":
                 job = payload
+                if job.adapter is not None:
+                    self._cancel_named(job)
+                    continue
                 if job.uid is not None and job.uid in self._jobs:
                     if self.prefix_cache is None:
                         self._gen.remove([job.uid])
@@ -249,11 +269,15 @@ class Engine:
                 self.adapter_version = version  # last: who sees it sees the cache switched too
                 self.stats["swaps"] += 1
                 self.stats["last_swap_ms"] = (time.perf_counter() - tic) * 1000
+            elif kind in ("add_adapter", "drop_adapter"):
+                self._change_named(kind, payload)
                 metrics.observe_swap(self.stats["last_swap_ms"] / 1000, version)
 
     def _insert(self, job: Job) -> None:
         if job.done:  # cancelled before it started
             return
+        if job.adapter is not None:
+            return self._insert_named(job)
         p = job.params
         processors = make_logits_processors(
             logit_bias=p.logit_bias,
@@ -318,11 +342,84 @@ class Engine:
             self.prefix_cache.put(list(tokens), cache, [prompt_end, len(tokens)], job.kv_source)
 
     def _fail_all(self, message: str) -> None:
+        for _, jobs in getattr(self, "_named", {}).values():
+            for job in list(jobs.values()):
+                job.done = True
+                job.deliver(Step(finish_reason="error", error=message))
+            jobs.clear()
         for job in list(getattr(self, "_jobs", {}).values()):
             job.done = True
             job.deliver(Step(finish_reason="error", error=message))
         if hasattr(self, "_jobs"):
             self._jobs.clear()
+
+
+    # ---- named adapters: a BatchGenerator each, stepped in turn with the live one ----
+
+    def _change_named(self, kind: str, payload) -> None:
+        name, model = payload
+        old = self._named.pop(name, None)
+        if old is not None:
+            for job in old[1].values():
+                job.done = True
+                job.deliver(Step(finish_reason="error", error=f"adapter {name!r} was replaced"))
+            old[0].close()
+        if kind == "add_adapter":
+            self._named[name] = (self._new_generator(model), {})
+
+    def _insert_named(self, job: Job) -> None:
+        lane, p = self._named.get(job.adapter), job.params
+        try:
+            if lane is None:
+                raise KeyError(f"no adapter named {job.adapter!r} is loaded")
+            processors = make_logits_processors(
+                logit_bias=p.logit_bias, presence_penalty=p.presence_penalty or None,
+                frequency_penalty=p.frequency_penalty or None)
+            (uid,) = lane[0].insert(
+                [job.prompt_ids], max_tokens=[p.max_tokens],
+                samplers=[make_sampler(p.temperature, p.top_p, p.seed, p.top_k)],
+                logits_processors=[processors],
+                stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])])
+        except Exception as e:
+            job.done = True
+            job.deliver(Step(finish_reason="error", error=f"{type(e).__name__}: {e}"))
+            return
+        job.uid = uid
+        lane[1][uid] = job
+        self.stats["requests"] += 1
+
+    def _step_named(self) -> None:
+        for name, (gen, jobs) in list(self._named.items()):
+            if not jobs:
+                continue
+            try:
+                _, responses = gen.next()
+            except Exception as e:  # this adapter's requests fail, nothing else
+                log.exception("decode step for adapter %s failed", name)
+                for job in jobs.values():
+                    job.done = True
+                    job.deliver(Step(finish_reason="error", error=f"{type(e).__name__}: {e}"))
+                jobs.clear()
+                self._change_named("add_adapter", (name, gen.model))  # a fresh generator
+                continue
+            for r in responses:
+                job = jobs.get(r.uid)
+                if job is None:
+                    continue
+                lp = r.logprobs.reshape(-1)[r.token].item()  # temperature 1, as the live lane
+                self.stats["tokens"] += 1
+                if r.finish_reason is not None:
+                    del jobs[r.uid]
+                    job.done = True
+                job.deliver(Step(token=Token(id=r.token, logprob=lp, adapter_version=0),
+                                 finish_reason=r.finish_reason))
+
+    def _cancel_named(self, job: Job) -> None:
+        lane = self._named.get(job.adapter)
+        if lane is not None and job.uid in lane[1]:
+            lane[0].remove([job.uid])
+            del lane[1][job.uid]
+        job.done = True
 
 
 def _unflatten(weights: dict[str, mx.array]):

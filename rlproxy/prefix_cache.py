@@ -5,6 +5,7 @@ so the engine asks this store for the longest stored prefix of each new prompt a
 the rest. This module owns the entries, their index, an in-memory LRU, a `diskcache` directory
 (`<data_dir>/prefix_cache/`), one writer thread and the counters /healthz shows. It does not own
 the model or the decode loop: engine.py decides when to look up and when to store.
+The entries' keys, hashes and byte format are kv_blobs.py.
 
 - **Entry**: the KV state (every layer's keys and values) of one token sequence, a request's
   prompt + completion. At a request's end mlx-lm's BatchGenerator holds KV for the prompt and
@@ -51,197 +52,34 @@ the model or the decode loop: engine.py decides when to look up and when to stor
 from __future__ import annotations
 
 import gc
-import hashlib
 import itertools
 import json
 import logging
 import queue
-import struct
 import threading
-import zlib
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
 import diskcache
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
+from rlproxy.kv_blobs import (
+    FORMAT, CorruptEntry, Entry, block_hashes, common_prefix, digest, end_hash, model_key, pack,
+    to_kv_cache, unpack,
+)
 from rlproxy.settings import CacheSettings
 
 log = logging.getLogger("rlproxy.prefix_cache")
 
-MAGIC = b"RLPKV\x00\x01\x00"  # + u64 body length + u32 CRC-32 of the body
-FORMAT = 1
 MAX_ENDS = 32  # turn boundaries remembered per entry
 MAX_PENDING = 8  # queued writes hold KV arrays in memory; past this a write is dropped
 CANDIDATES = 3  # entries tried per lookup when the best ones turn out corrupt or gone
 LINEAGE = "lineage.json"  # the window's (version, namespace) links, newest first
 LIVE_KV = ("full precision: mlx-lm's BatchGenerator has no kv_bits and cannot batch a "
            "QuantizedKVCache, so --kv-bits applies to stored entries only")
-
-
-class CorruptEntry(Exception):
-    pass
-
-
-# ---- hashing ----
-
-def _digest(*parts, person: bytes) -> str:
-    h = hashlib.blake2b(digest_size=8, person=person)
-    for p in parts:
-        h.update(p)
-    return h.hexdigest()
-
-
-def block_hashes(ns: str, tokens: np.ndarray, block: int) -> list[str]:
-    """[h0, h1, ...]: h_k commits to the namespace and tokens[:k * block] (chained)."""
-    out, raw, step = [_digest(ns.encode(), person=b"ns")], tokens.tobytes(), block * 4
-    for k in range(len(tokens) // block):
-        out.append(_digest(out[-1].encode(), raw[k * step:(k + 1) * step], person=b"block"))
-    return out
-
-
-def end_hash(hashes: list[str], tokens: np.ndarray, block: int, length: int) -> str:
-    """The hash of exactly tokens[:length] (a turn boundary), from the block chain."""
-    k = length // block
-    return _digest(hashes[k].encode(), tokens[k * block:length].tobytes(), person=b"end")
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
-
-def adapter_fingerprint(model: nn.Module) -> str:
-    """A digest of every trainable (LoRA) weight. Call it on the thread that owns the model."""
-    return weights_fingerprint(dict(tree_flatten(model.trainable_parameters())))
-
-
-def weights_fingerprint(weights: dict[str, mx.array]) -> str:
-    """The same digest from an adapter's weights by name (evaluated on the caller's thread)."""
-    mx.eval(list(weights.values()))
-    h = hashlib.blake2b(digest_size=8, person=b"adapter")
-    for name in sorted(weights):
-        h.update(name.encode())
-        h.update(memoryview(weights[name]))
-    return h.hexdigest()
-
-
-def model_key(model: nn.Module, model_id: str) -> str:
-    """The base model's identity: its id plus names, shapes and the first values of each frozen
-    weight (cheap, and enough to tell regenerated or fine-tuned weights apart)."""
-    trainable = {name for name, _ in tree_flatten(model.trainable_parameters())}
-    h = hashlib.blake2b(digest_size=8, person=b"model")
-    for name, a in tree_flatten(model.parameters()):
-        if name not in trainable:
-            head = mx.contiguous(a.reshape(-1)[:64])
-            mx.eval(head)
-            h.update(f"{name}{a.shape}{a.dtype}".encode())
-            h.update(memoryview(head))
-    return f"{model_id}@{h.hexdigest()}"
-
-
-# ---- entries: keys and blobs ----
-
-@dataclass
-class Entry:
-    base: str  # model identity + KV settings
-    version: int  # adapter version
-    ns: str  # base + adapter version + adapter fingerprint: what a lookup must match
-    length: int
-    nbytes: int
-    blocks: tuple[str, ...]  # h1 .. h_{length // block}
-    ends: tuple[tuple[int, str], ...]  # (length, end_hash) per turn boundary, ascending
-    seq: int = 0  # recency: newer wins ties and survives stale eviction longer
-
-    @property
-    def key(self) -> str:
-        # Everything the index needs lives in the diskcache key, so a restart rebuilds the index
-        # from the keys alone, and an eviction removes key and value together.
-        ends = ",".join(f"{n}:{h}" for n, h in self.ends)
-        return (f"kv{FORMAT}|{self.base}|{self.version}|{self.ns}|{self.length}|{self.nbytes}|"
-                f"{''.join(self.blocks)}|{ends}")
-
-    @classmethod
-    def parse(cls, key) -> Entry | None:
-        try:
-            tag, base, version, ns, length, nbytes, blocks, ends = key.split("|")
-            if tag != f"kv{FORMAT}" or len(blocks) % 16:
-                return None
-            return cls(base, int(version), ns, int(length), int(nbytes),
-                       tuple(blocks[i:i + 16] for i in range(0, len(blocks), 16)),
-                       tuple((int(n), h) for n, h in (e.split(":") for e in ends.split(","))))
-        except (AttributeError, ValueError):
-            return None
-
-
-def _dtype_name(a: mx.array) -> str:
-    return str(a.dtype).rsplit(".", 1)[-1]
-
-
-def pack(tokens: np.ndarray, arrays: list[mx.array], meta: dict) -> bytes:
-    """One entry as bytes: MAGIC, body length, CRC-32, then header JSON, tokens, raw arrays."""
-    header = json.dumps({**meta, "arrays": [[_dtype_name(a), list(a.shape)] for a in arrays]})
-    header = header.encode()
-    parts = [struct.pack("<I", len(header)), header, tokens.astype(np.int32).tobytes(),
-             *(memoryview(a) for a in arrays)]  # evaluated, contiguous: raw bytes, bf16 too
-    crc, size = 0, 0
-    for p in parts:
-        crc = zlib.crc32(p, crc)
-        size += memoryview(p).nbytes
-    return b"".join([MAGIC, struct.pack("<QI", size, crc), *parts])
-
-
-def unpack(blob: bytes, verify: bool) -> tuple[np.ndarray, dict, list[mx.array]]:
-    """Parse a blob into (tokens, meta, fresh arrays); raise CorruptEntry on any damage."""
-    try:
-        if blob[:8] != MAGIC:
-            raise CorruptEntry("bad magic")
-        size, crc = struct.unpack_from("<QI", blob, 8)
-        body = memoryview(blob)[20:]
-        if len(body) != size:
-            raise CorruptEntry(f"length {len(body)} != {size} (truncated?)")
-        if verify and zlib.crc32(body) != crc:
-            raise CorruptEntry("checksum mismatch")
-        (hlen,) = struct.unpack_from("<I", body, 0)
-        meta = json.loads(bytes(body[4:4 + hlen]))
-        offset = 4 + hlen
-        tokens = np.frombuffer(body, np.int32, meta["length"], offset)
-        offset += tokens.nbytes
-        arrays = []
-        for dtype, shape in meta["arrays"]:
-            raw = np.frombuffer(body, np.uint16 if dtype == "bfloat16" else np.dtype(dtype),
-                                int(np.prod(shape)), offset).reshape(shape)
-            offset += raw.nbytes
-            a = mx.array(raw)  # a copy: the request owns it
-            arrays.append(a.view(mx.bfloat16) if dtype == "bfloat16" else a)
-        if offset != len(body):
-            raise CorruptEntry("trailing bytes")
-        return tokens, meta, arrays
-    except (struct.error, ValueError, KeyError, TypeError) as e:
-        raise CorruptEntry(f"unreadable: {e}") from None
-
-
-def to_kv_cache(meta: dict, arrays: list[mx.array]) -> list[KVCache]:
-    quant = meta["quant"]  # [group_size, bits] or None
-    per_layer = 6 if quant else 2
-    caches = []
-    for i in range(0, len(arrays), per_layer):
-        if quant:
-            group, bits = quant
-            keys = mx.dequantize(*arrays[i:i + 3], group_size=group, bits=bits)
-            values = mx.dequantize(*arrays[i + 3:i + 6], group_size=group, bits=bits)
-        else:
-            keys, values = arrays[i:i + 2]
-        c = KVCache()
-        c.state = (keys, values, keys.shape[2])
-        caches.append(c)
-    return caches
 
 
 # ---- the store ----
@@ -258,7 +96,7 @@ class PrefixCache:
         self.quantized_kv_start = settings.quantized_kv_start
         start = self.quantized_kv_start if self.quant else 0
         kv = json.dumps({"quant": self.quant, "start": start})
-        self.base = _digest(model_identity.encode(), kv.encode(), person=b"base")
+        self.base = digest(model_identity.encode(), kv.encode(), person=b"base")
         self.unsupported = unsupported
         self.disk_limit = int(settings.prefix_cache_disk_limit_gb * 1024**3)
         self.memory_limit = int(settings.prefix_cache_memory_mb * 1024**2)
@@ -296,7 +134,7 @@ class PrefixCache:
 
     def set_adapter(self, version: int, fingerprint: str) -> None:
         """The engine now serves this adapter: look up under it and the N before it."""
-        ns = _digest(self.base.encode(), f"{version}:{fingerprint}".encode(), person=b"ns")
+        ns = digest(self.base.encode(), f"{version}:{fingerprint}".encode(), person=b"ns")
         if self.ns is not None and version == self.version + 1 and ns not in self._parents:
             # One trainer step: the adapter served until now is this one's parent. The first
             # link recorded wins, so a restart's jump to a resumed version keeps its history.
