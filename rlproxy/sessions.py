@@ -254,7 +254,7 @@ class SessionStore:
             hinted = None  # the explicit session id wins over a chain into another session
         if tags.session_id is not None:
             session = self.open.get(tags.session_id)
-            if session is None:  # new, or reopened (after a restart or its close): numbering goes on
+            if session is None:  # new, or reopened (after a restart or a close): numbering goes on
                 session = Session(tags.session_id, inferred=tags.session_id in self._was_inferred,
                                   turn_count=self._next_index.pop(tags.session_id, 0))
                 self._was_inferred.discard(tags.session_id)

@@ -159,6 +159,17 @@ def test_streamed_tool_use_events(taught_server):
     assert events[-2].delta.stop_reason == "tool_use"
 
 
+def test_disable_parallel_tool_use_streams_one_call(taught_server):
+    # (the one-call filter itself: test_responses.test_first_tool_call_only_...)
+    events = list(client(taught_server).messages.create(
+        model="m", max_tokens=60, messages=[{"role": "user", "content": TOOL_PROMPT[0]["content"]}],
+        tools=A_TOOLS, tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        stream=True, extra_body=GREEDY))
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [b.type for b in starts if b.type == "tool_use"] == ["tool_use"]
+    assert events[-2].delta.stop_reason == "tool_use"
+
+
 def test_tool_error_result_and_tool_choice(taught_server):
     c = client(taught_server)
     history = [{"role": "user", "content": "Weather?"},

@@ -281,7 +281,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatRequest:
 
 # The internal chat request's fields, as a Messages request names them. Messages are renumbered
 # (system prompts, tool results split out), so they are just `messages`.
-CHAT_TO_ANTHROPIC = ((re.compile(r"^tools(\[\d+\])\.function\.parameters"), r"tools\1.input_schema"),
+CHAT_TO_ANTHROPIC = ((re.compile(r"^tools(\[\d+\])\.function\.parameters"),
+                      r"tools\1.input_schema"),
                      (re.compile(r"^tools(\[\d+\])\.function"), r"tools\1"),
                      (re.compile(r"^tool_choice\.function"), "tool_choice"),
                      (re.compile(r"^stop\b"), "stop_sequences"),

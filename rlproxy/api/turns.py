@@ -8,7 +8,9 @@ a gone client left running -> keep (or forget) the response for idempotent retri
 that opted out (X-RL-Opt-Out) is served and never filed.
 
 Owns nothing about any dialect's shapes: a dialect passes in `write` (its response from a
-`Call`) and `replay` (a stored response sent again). Parsing is the dialect's job too.
+`Call`) and `replay` (a stored response sent again; `replay_kept` does it given the dialect's
+body-as-events). Parsing is the dialect's job too. What every dialect shows the same way lives
+here: `parallel_tool_calls: false` keeps a choice's first tool call (`Call.events`).
 """
 
 from __future__ import annotations
