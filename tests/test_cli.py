@@ -90,3 +90,35 @@ def test_bad_settings_say_what_to_fix(tmp_path, capsys):
     merged = load_settings({"port": 7001}, cfg, environ={"RLPROXY_LEARNING_RATE": "0.25"})
     assert merged.server.port == 7001  # flag beats file
     assert merged.trainer.learning_rate == 0.25  # env beats file
+
+
+def test_example_config_lists_every_setting_with_its_default():
+    """deploy/rlproxy.example.toml names every field of every section, in that section, and
+    every value it sets is the field's default, so the example cannot drift from settings.py."""
+    import re
+    from pathlib import Path
+
+    from rlproxy.settings import SECTIONS, Settings
+
+    example = Path(__file__).resolve().parent.parent / "deploy" / "rlproxy.example.toml"
+    loaded = load_settings(config_file=example, environ={})  # unknown fields would raise here
+    defaults = Settings()
+    # paths that depend on the machine or the checkout: shown commented out, never set
+    machine = {"data_dir", "prm_prompts"}
+    named: dict[str, dict[str, bool]] = {}  # section -> field -> set (True) or commented out
+    section = None
+    for line in example.read_text().splitlines():
+        if m := re.match(r"\[(\w+)\]", line):
+            section = m[1]
+            named[section] = {}
+        elif section and (m := re.match(r"(#\s*)?(\w+)\s*=", line)):
+            named[section][m[2]] = m[1] is None
+    assert list(named) == list(SECTIONS)
+    for name, cls in SECTIONS.items():
+        assert set(named[name]) == set(cls.model_fields), f"[{name}] fields differ"
+        for field, info in cls.model_fields.items():
+            default = getattr(getattr(defaults, name), field)
+            assert getattr(getattr(loaded, name), field) == default, f"{name}.{field}"
+            # a value TOML can hold must be set, so that the comparison above checks it
+            must_set = default is not None and field not in machine
+            assert named[name][field] == must_set, f"{name}.{field} set={named[name][field]}"
