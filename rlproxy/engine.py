@@ -269,9 +269,9 @@ class Engine:
                 self.adapter_version = version  # last: who sees it sees the cache switched too
                 self.stats["swaps"] += 1
                 self.stats["last_swap_ms"] = (time.perf_counter() - tic) * 1000
+                metrics.observe_swap(self.stats["last_swap_ms"] / 1000, version)
             elif kind in ("add_adapter", "drop_adapter"):
                 self._change_named(kind, payload)
-                metrics.observe_swap(self.stats["last_swap_ms"] / 1000, version)
 
     def _insert(self, job: Job) -> None:
         if job.done:  # cancelled before it started

@@ -1,0 +1,295 @@
+"""Tinker training clients: each its own LoRA model on the serving model's frozen base arrays,
+with its own accumulated gradients and AdamW state, all owned by ONE worker thread.
+
+The loss is rlproxy.losses' (the five policy losses, summed over tokens as Tinker's are), on the
+same temperature-1 log-probs the engine records. Gradients accumulate over forward_backward calls
+until optim_step applies them. Weights are saved in mlx-lm's adapter format (plus
+`optimizer.safetensors` and trainer_state.json, so rlproxy.checkpoints.load_checkpoint reads
+them), which `rlproxy serve --adapter`, `rlproxy fuse` and `mlx_lm.load` open. HTTP, request
+ordering and sampling live elsewhere (routes.py, sampling.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import json
+import queue
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from rlproxy import losses
+from rlproxy.checkpoints import STATE, load_checkpoint
+from rlproxy.model import lora_weights, quantize_base, save_adapter
+from rlproxy.tinker.wire import UserError
+
+RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+
+
+class Worker:
+    """One thread for all MLX work of the Tinker API: jobs run one at a time, in submit order."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="rlproxy-tinker", daemon=True)
+        self._thread.start()
+
+    def run(self, fn, *args) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        with mx.stream(mx.new_stream(mx.default_device())):
+            while (job := self._jobs.get()) is not None:
+                fut, fn, args = job
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as e:  # reported on the request's future
+                        fut.set_exception(e)
+                del job, fut, fn, args
+        gc.collect()  # free this thread's arrays here, not at interpreter exit
+        mx.synchronize()
+        mx.clear_streams()
+
+
+@dataclass
+class TinkerModel:
+    model_id: str
+    run: str  # the directory (and tinker:// run) its checkpoints go under
+    model: nn.Module
+    lora_config: dict
+    optimizer: optim.AdamW
+    grads: dict | None = None  # accumulated since the last optim_step
+    steps: int = 0
+    next_seq: int = 1  # routes.py runs requests in seq_id order from here
+    held: dict = field(default_factory=dict)
+
+
+def lora_config_for(loaded, rank: int) -> dict:
+    """The serving model's LoRA layout (layers, keys, scale) at the client's rank."""
+    cfg = json.loads(json.dumps(loaded.lora_config))
+    cfg["lora_parameters"]["rank"] = int(rank)
+    return cfg
+
+
+def lora_model(loaded, lora_config: dict, seed: int | None = None) -> nn.Module:
+    """A model object over the serving model's base arrays with fresh LoRA layers of its own
+    (lora_b = 0, so it starts equal to the base). Like trainer.training_copy, but at any rank
+    and without the serving adapter's values."""
+    import mlx_lm
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    if seed is not None:
+        mx.random.seed(seed)
+    model, _ = mlx_lm.load(loaded.source, lazy=True)  # architecture only
+    linear_to_lora_layers(model, lora_config["num_layers"], lora_config["lora_parameters"])
+    quantize_base(model, loaded.quantize_bits)
+    base = [(k, v) for k, v in tree_flatten(loaded.model.parameters())
+            if not k.endswith((".lora_a", ".lora_b"))]
+    model.update(tree_unflatten(base))
+    model.freeze()
+    model.unfreeze(keys=["lora_a", "lora_b"], strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def new_model(loaded, model_id: str, run: str, rank: int, seed: int | None) -> TinkerModel:
+    if not 1 <= rank <= 256:
+        raise UserError(f"lora rank must be between 1 and 256, got {rank}")
+    cfg = lora_config_for(loaded, rank)
+    model = lora_model(loaded, cfg, seed)
+    opt = optim.AdamW(learning_rate=1e-4, betas=[0.9, 0.95], eps=1e-12, weight_decay=0.0,
+                      bias_correction=True)
+    opt.init(model.trainable_parameters())
+    mx.eval(opt.state)
+    return TinkerModel(model_id, run, model, cfg, opt)
+
+
+def memory_bytes(tm: TinkerModel) -> int:
+    """LoRA weights + AdamW moments + accumulated gradients (the base is shared)."""
+    n = sum(v.nbytes for v in lora_weights(tm.model).values())
+    return n * 4  # weights, m, v, gradients
+
+
+# ---- forward_backward ----
+
+def _examples(data: list[dict], loss_fn: str, vocab: int, context: int) -> list[dict]:
+    """Each datum as arrays, or UserError saying what is wrong with it."""
+    needs = ("target_tokens", "weights") if loss_fn == "cross_entropy" else RL_INPUTS
+    out = []
+    for i, d in enumerate(data):
+        ids, inputs = d["tokens"], d["inputs"]
+        missing = [k for k in needs if k not in inputs]
+        if missing:
+            raise UserError(f"datum {i}: loss {loss_fn!r} needs loss_fn_inputs "
+                            f"{', '.join(needs)}; missing {', '.join(missing)}")
+        n = len(ids)
+        if n == 0:
+            raise UserError(f"datum {i}: model_input is empty")
+        if n > context:
+            raise UserError(f"datum {i}: {n} tokens is longer than the model's context of "
+                            f"{context}")
+        for k in needs:
+            if inputs[k].reshape(-1).size != n:
+                raise UserError(f"datum {i}: loss_fn_inputs[{k!r}] has shape "
+                                f"{list(inputs[k].shape)} but model_input has {n} tokens")
+        targets = inputs["target_tokens"].reshape(-1).astype(np.int64)
+        for name, toks in (("model_input", np.asarray(ids)), ("target_tokens", targets)):
+            bad = toks[(toks < 0) | (toks >= vocab)]
+            if bad.size:
+                raise UserError(f"datum {i}: {name} holds token id {int(bad[0])}, outside the "
+                                f"vocabulary of {vocab}")
+        zeros = np.zeros(n, dtype=np.float32)
+        out.append({
+            "ids": mx.array(np.asarray(ids, dtype=np.int32))[None],
+            "targets": mx.array(targets.astype(np.int32))[None],
+            "old": mx.array(inputs.get("logprobs", zeros).reshape(-1).astype(np.float32))[None],
+            "adv": mx.array(inputs.get("advantages", zeros).reshape(-1).astype(np.float32))[None],
+            # cross_entropy weighs tokens by `weights`; the RL losses sum every token (a prompt
+            # token carries advantage 0), as Tinker's do
+            "mask": mx.array(inputs["weights"].reshape(-1).astype(np.float32))[None]
+            if loss_fn == "cross_entropy" else mx.ones((1, n)),
+        })
+    return out
+
+
+def loss_kwargs(config: dict) -> dict:
+    """Tinker's clip thresholds are ratio bounds (e.g. 0.8, 1.2); rlproxy.losses takes eps."""
+    kw = {}
+    if "clip_low_threshold" in config:
+        kw["eps_low"] = 1.0 - float(config["clip_low_threshold"])
+    if "clip_high_threshold" in config:
+        kw["eps_high"] = float(config["clip_high_threshold"]) - 1.0
+    if "beta" in config:
+        kw["beta"] = float(config["beta"])
+    return kw
+
+
+def forward_backward(tm: TinkerModel, req: dict, vocab: int, context: int):
+    """(per-datum log-probs as numpy, metrics). Adds this call's gradients to tm.grads unless
+    forward_only."""
+    try:
+        fn = losses.policy_loss(req["loss_fn"])
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    examples = _examples(req["data"], req["loss_fn"], vocab, context)
+    kw = loss_kwargs(req["loss_fn_config"])
+
+    def datum_loss(model, ex):
+        logp = losses.token_logprobs(model, ex["ids"], ex["targets"])
+        return fn(logp, ex["old"], ex["adv"], ex["mask"], **kw), logp
+
+    value_grad = nn.value_and_grad(tm.model, datum_loss)
+    total, outputs = 0.0, []
+    for ex in examples:
+        if req["forward_only"]:
+            loss, logp = datum_loss(tm.model, ex)
+            mx.eval(loss, logp)
+        else:
+            (loss, logp), g = value_grad(tm.model, ex)
+            tm.grads = g if tm.grads is None else tree_map(mx.add, tm.grads, g)
+            mx.eval(loss, logp, tm.grads)
+        total += loss.item()
+        outputs.append(np.array(logp[0], dtype=np.float32))
+    return outputs, {"loss:sum": total}
+
+
+def optim_step(tm: TinkerModel, adam: dict) -> dict:
+    """Apply the accumulated gradients with this call's AdamW hyperparameters."""
+    opt = tm.optimizer
+    opt.learning_rate = float(adam.get("learning_rate", 1e-4))
+    opt.betas = [float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))]
+    opt.eps = float(adam.get("eps", 1e-12))
+    opt.weight_decay = float(adam.get("weight_decay", 0.0))
+    metrics = {}
+    if tm.grads is not None:
+        grads, clip = tm.grads, float(adam.get("grad_clip_norm") or 0.0)
+        if clip > 0:
+            grads, norm = optim.clip_grad_norm(grads, clip)
+        else:
+            norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+        opt.update(tm.model, grads)
+        mx.eval(tm.model.parameters(), opt.state)
+        metrics["grad_norm:mean"] = float(norm.item())
+    tm.grads = None
+    tm.steps += 1
+    return {"metrics": metrics}
+
+
+# ---- weights on disk ----
+
+def save(tm: TinkerModel, path: Path, with_optimizer: bool) -> Path:
+    """Adapter in mlx-lm's format (+ optimizer state), written to a temp dir and renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        save_adapter(tm.model, tm.lora_config, tmp)
+        if with_optimizer:
+            flat = {k: v for k, v in tree_flatten(tm.optimizer.state) if isinstance(v, mx.array)}
+            mx.save_safetensors(str(tmp / "optimizer.safetensors"), flat)
+        (tmp / STATE).write_text(json.dumps({"step": tm.steps, "adapter_version": tm.steps,
+                                             "model_id": tm.model_id}))
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def load(tm: TinkerModel, path: Path, with_optimizer: bool) -> None:
+    if not (path / "adapters.safetensors").exists():
+        raise UserError(f"no saved weights at {path.name!r}")
+    if with_optimizer and not (path / "optimizer.safetensors").exists():
+        raise UserError(f"{path.name!r} was saved without optimizer state (save_weights_for_"
+                        "sampler); load it with load_state, not load_state_with_optimizer")
+    adapter = mx.load(str(path / "adapters.safetensors"))
+    mine = {k: v.shape for k, v in lora_weights(tm.model).items()}
+    if {k: v.shape for k, v in adapter.items()} != mine:
+        raise UserError(f"{path.name!r} holds an adapter of another rank or layout than this "
+                        "model's")
+    tm.model.update(tree_unflatten(list(adapter.items())))
+    if with_optimizer:
+        _, opt_state, state = load_checkpoint(path)
+        tm.optimizer.state = opt_state
+        tm.steps = int(state.get("step", 0))
+    tm.grads = None
+    mx.eval(tm.model.parameters(), tm.optimizer.state)
+
+
+def config_of(path: Path) -> dict:
+    return json.loads((path / "adapter_config.json").read_text())
+
+
+def sampler_model(loaded, path: Path) -> nn.Module:
+    """The serving base with the adapter saved at PATH (for an engine of its own)."""
+    model = lora_model(loaded, config_of(path))
+    model.update(tree_unflatten(list(mx.load(str(path / "adapters.safetensors")).items())))
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def prompt_logprobs(model: nn.Module, ids: list[int]) -> list[float | None]:
+    """log p(ids[t] | ids[:t]) at temperature 1 for t >= 1; the first token has none."""
+    if len(ids) < 2:
+        return [None] * len(ids)
+    x = mx.array(ids, dtype=mx.int32)[None]
+    lp = losses.token_logprobs(model, x[:, :-1], x[:, 1:])
+    mx.eval(lp)
+    return [None] + lp[0].tolist()

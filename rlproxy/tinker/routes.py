@@ -1,0 +1,355 @@
+"""The Tinker API's HTTP side: /api/v1/* handlers on the proxy's own app and port.
+
+Every training call answers {"request_id"} at once; its work runs on the Tinker worker thread
+(models.py) and its outcome is fetched through `retrieve_future` (futures.py). A model's requests
+run in `seq_id` order (the SDK sends one forward_backward's chunks in parallel): a request that
+arrives early is held until those before it have started, or until GAP_S passes (a seq_id the
+client never sent). Bad input fails the request's future with category "user". Auth is the
+app's own middleware (any key unless --api-key is set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+
+from rlproxy.api.turns import served_names
+from rlproxy.appkeys import ENGINE, MODEL, SETTINGS
+from rlproxy.tinker import models, wire
+from rlproxy.tinker.archive import download_checkpoint, list_checkpoints
+from rlproxy.tinker.sampling import Samplers, asample
+from rlproxy.tinker.state import (
+    TINKER, TinkerState, checkpoint_dir, json_ok, parse_path, read_json, state,
+)
+from rlproxy.tinker.wire import UserError
+
+GAP_S = 5.0
+PROTOBUF = "application/x-protobuf"
+
+
+# ---- futures: start work, settle it on the loop ----
+
+def start(st: TinkerState, fn, *args, then=None) -> tuple[str, asyncio.Future]:
+    """A new request id whose result is fn(*args) on the worker (then `then(result)`, on the
+    loop); also returns a starter for sequencing: call it to hand the work to the worker."""
+    rid, fut = st.futures.new()
+    loop = asyncio.get_running_loop()
+
+    def go():
+        cf = st.worker.run(fn, *args)
+
+        def done(_):
+            try:
+                value = cf.result()
+                st.futures.settle(rid, fut, then(value) if then else value)
+            except Exception as e:
+                st.futures.settle(rid, fut, error=e)
+        cf.add_done_callback(lambda _: loop.call_soon_threadsafe(done, None))
+    return rid, go
+
+
+def fail(st: TinkerState, message: str) -> str:
+    rid, fut = st.futures.new()
+    st.futures.settle(rid, fut, error=UserError(message))
+    return rid
+
+
+def sequenced(st: TinkerState, model_id: str, seq_id, fn, *args, then=None) -> web.Response:
+    """Run fn(tm, *args) on model MODEL_ID's turn in seq_id order."""
+    tm = st.models.get(model_id)
+    if tm is None:
+        return json_ok({"request_id": fail(st, f"unknown model id {model_id!r} (create it with "
+                                           "create_lora_training_client first)")})
+    rid, go = start(st, fn, tm, *args, then=then)
+    if not isinstance(seq_id, int) or seq_id < tm.next_seq:
+        go()  # unsequenced or a retry of one already started
+    else:
+        tm.held[seq_id] = go
+        release(tm)
+        if tm.held:
+            asyncio.get_running_loop().call_later(GAP_S, release, tm, True)
+    return json_ok({"request_id": rid, "model_id": model_id})
+
+
+def release(tm: models.TinkerModel, skip_gap: bool = False) -> None:
+    if skip_gap and tm.held and tm.next_seq not in tm.held:
+        tm.next_seq = min(tm.held)
+    while tm.next_seq in tm.held:
+        tm.held.pop(tm.next_seq)()
+        tm.next_seq += 1
+
+
+# ---- session and service ----
+
+async def empty(request):
+    return json_ok({})
+
+
+async def create_session(request):
+    return json_ok({"type": "create_session", "session_id": uuid.uuid4().hex[:12]})
+
+
+async def telemetry(request):
+    return json_ok({"status": "accepted"})
+
+
+async def healthz(request):
+    return json_ok({"status": "ok"})
+
+
+async def capabilities(request):
+    loaded = state(request).loaded
+    return json_ok({"supported_models": [
+        {"model_name": name, "max_context_length": loaded.context_length, "trainable": True,
+         "sampleable": True} for name in served_names(request.app)]})
+
+
+# ---- training ----
+
+async def create_model(request):
+    st, body = state(request), await read_json(request)
+    base = body.get("base_model")
+    if base not in served_names(request.app):
+        return json_ok({"request_id": fail(st, f"unknown base_model {base!r}; this server "
+                                           f"trains {', '.join(served_names(request.app))}")})
+    model_id = f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"
+    rid = create(st, model_id, int((body.get("lora_config") or {}).get("rank", 8)),
+                 (body.get("lora_config") or {}).get("seed"))
+    return json_ok({"request_id": rid, "model_id": model_id})
+
+
+def create(st: TinkerState, model_id: str, rank: int, seed, load_from=None) -> str:
+    if len(st.models) >= st.max_models:
+        each = max(map(models.memory_bytes, st.models.values()), default=0) / 2**20
+        return fail(st, f"this server already holds {len(st.models)} Tinker training models "
+                    f"(--tinker-max-models {st.max_models}; about {each:.1f} MiB each); "
+                    "finish a session or raise the limit")
+    run = re.sub(r"[^A-Za-z0-9._-]", "_", model_id)
+
+    def build():
+        tm = models.new_model(st.loaded, model_id, run, rank, seed)
+        if load_from is not None:
+            models.load(tm, *load_from[:2])
+        return tm
+
+    def register(tm):
+        st.models[model_id] = tm
+        if load_from is not None:
+            return {"path": load_from[2], "type": "load_weights"}
+        return {"model_id": model_id, "type": "create_model"}
+    rid, go = start(st, build, then=register)
+    go()
+    return rid
+
+
+async def get_info(request):
+    st, body = state(request), await read_json(request)
+    tm = st.models.get(body.get("model_id"))
+    if tm is None:
+        return json_ok({"error": f"unknown model id {body.get('model_id')!r}",
+                        "category": "user"}, status=404)
+    name = served_names(request.app)[0]
+    return json_ok({"type": "get_info", "model_id": tm.model_id, "is_lora": True,
+                    "lora_rank": tm.lora_config["lora_parameters"]["rank"], "model_name": name,
+                    "model_data": {"model_name": name, "tokenizer_id": st.loaded.source,
+                                   "arch": type(st.loaded.model).__module__}})
+
+
+async def forward_backward(request):
+    st = state(request)
+    if request.headers.get("Content-Encoding", "identity") not in ("identity", ""):
+        raise web.HTTPUnsupportedMediaType(text="compressed bodies are not accepted; this "
+                                           "server's client config leaves compression off")
+    raw = await request.read()
+    try:
+        if PROTOBUF not in request.content_type:
+            raise UserError("send forward_backward as protobuf (application/x-protobuf), as "
+                            "the tinker SDK does")
+        req = wire.decode_forward_backward(raw)
+    except UserError as e:
+        return json_ok({"request_id": fail(st, str(e))})
+    loaded = st.loaded
+
+    def run(tm, req):
+        out, metrics = models.forward_backward(tm, req, loaded.vocab_size, loaded.context_length)
+        return wire.encode_forward_backward(out, metrics)
+    return sequenced(st, req["model_id"], req["seq_id"], run, req)
+
+
+async def optim_step(request):
+    st, body = state(request), await read_json(request)
+    params = body.get("adam_params") or body.get("optim_params") or {}
+    return sequenced(st, body.get("model_id"), body.get("seq_id"), models.optim_step, params)
+
+
+async def save_weights(request):
+    st, body = state(request), await read_json(request)
+    tm = st.models.get(body.get("model_id"))
+    try:
+        path = checkpoint_dir(st, tm.run if tm else "-", "weights", body.get("path"))
+    except UserError as e:
+        return json_ok({"request_id": fail(st, str(e))})
+    uri = f"tinker://{path.parent.parent.name}/weights/{path.name}"
+    return sequenced(st, body.get("model_id"), body.get("seq_id"), models.save, path, True,
+                     then=lambda _: {"path": uri, "type": "save_weights"})
+
+
+async def save_for_sampler(request):
+    st, body = state(request), await read_json(request)
+    tm = st.models.get(body.get("model_id"))
+    name = body.get("path")
+    ephemeral = name is None
+    if ephemeral:
+        name = f"ephemeral-{body.get('sampling_session_seq_id', 0)}-{uuid.uuid4().hex[:6]}"
+    try:
+        path = checkpoint_dir(st, tm.run if tm else "-", "sampler_weights", name)
+    except UserError as e:
+        return json_ok({"request_id": fail(st, str(e))})
+    uri = f"tinker://{path.parent.parent.name}/sampler_weights/{path.name}"
+
+    def answer(_):
+        if not ephemeral:
+            return {"path": uri, "type": "save_weights_for_sampler"}
+        sid = f"{body.get('model_id')}:sample:{body.get('sampling_session_seq_id', 0)}"
+        st.samplers.open(sid, path, uri)
+        return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
+    return sequenced(st, body.get("model_id"), body.get("seq_id"), models.save, path, False,
+                     then=answer)
+
+
+async def load_weights(request):
+    st, body = state(request), await read_json(request)
+    try:
+        path = parse_path(st, body.get("path"))
+        rank = models.config_of(path)["lora_parameters"]["rank"]
+    except (UserError, OSError, KeyError, ValueError):
+        return json_ok({"request_id": fail(st, f"no saved weights at {body.get('path')!r}")})
+    with_opt = bool(body.get("optimizer"))
+    answer = {"path": body.get("path"), "type": "load_weights"}
+    if body.get("model_id"):
+        return sequenced(st, body["model_id"], body.get("seq_id"), models.load, path, with_opt,
+                         then=lambda _: answer)
+    model_id = f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"  # create-via-load
+    return json_ok({"request_id": create(st, model_id, rank, None, (path, with_opt,
+                                                                    body.get("path"))),
+                    "model_id": model_id})
+
+
+# ---- sampling ----
+
+async def create_sampling_session(request):
+    st, body = state(request), await read_json(request)
+    sid = f"{body.get('session_id')}:sample:{body.get('sampling_session_seq_id', 0)}"
+    if body.get("model_path"):
+        try:
+            path = parse_path(st, body["model_path"])
+        except UserError as e:
+            return json_ok({"error": str(e), "category": "user"}, status=400)
+        st.samplers.open(sid, path, body["model_path"])
+    elif body.get("base_model") in served_names(request.app):
+        st.samplers.open(sid, None, None)  # the proxy's live adapter
+    else:
+        return json_ok({"error": f"unknown base_model {body.get('base_model')!r}",
+                        "category": "user"}, status=400)
+    return json_ok({"type": "create_sampling_session", "sampling_session_id": sid})
+
+
+async def get_sampler(request):
+    st, sid = state(request), request.match_info["sampler_id"]
+    found = st.samplers.sessions.get(sid)
+    if found is None:
+        return json_ok({"error": f"unknown sampler {sid!r}", "category": "user"}, status=404)
+    return json_ok({"sampler_id": sid, "base_model": served_names(request.app)[0],
+                    "model_path": found["model_path"]})
+
+
+async def sample(request):
+    st, body = state(request), await read_json(request)
+    rid, fut = st.futures.new()
+    n = body.get("num_samples") or 1
+
+    async def run():
+        try:
+            sequences, prompt_lps = await asample(st.samplers, body)
+            st.futures.settle(rid, fut, wire.encode_sample(sequences, prompt_lps))
+        except Exception as e:
+            st.futures.settle(rid, fut, error=e)
+    task = asyncio.create_task(run())
+    st.tasks.add(task)
+    task.add_done_callback(st.tasks.discard)
+    ids = [f"{rid}:{i}" for i in range(n if isinstance(n, int) and n > 0 else 1)]
+    return json_ok({"request_id": rid, "sample_sequence_ids": ids})
+
+
+# ---- results ----
+
+async def retrieve_future(request):
+    st, body = state(request), await read_json(request)
+    rid = body.get("request_id")
+    try:
+        result = await st.futures.wait(rid)
+    except KeyError:
+        return json_ok({"error": f"request {rid!r} is unknown or expired", "category": "user"},
+                       status=410)
+    if result is None:
+        return json_ok({"type": "try_again", "request_id": rid, "queue_state": "active"})
+    if isinstance(result, bytes):
+        return web.Response(body=result, content_type=PROTOBUF)
+    return json_ok(result)
+
+
+async def finish_session(request):
+    """The client closed: drop its training models (their saved weights stay on disk)."""
+    st, sid = state(request), request.match_info["session_id"]
+    for model_id in [m for m in st.models if m.startswith(f"{sid}:")]:
+        del st.models[model_id]
+    return json_ok({})
+
+
+# ---- wiring ----
+
+async def tinker_context(app: web.Application):
+    settings = app[SETTINGS]
+    loaded, engine = app[MODEL], app[ENGINE]
+    worker = models.Worker()
+    samplers = Samplers(loaded, engine, worker)
+    app[TINKER] = TinkerState(loaded, Path(settings.records.data_dir) / "tinker",
+                              settings.server.tinker_max_models, worker, samplers)
+    yield
+    samplers.close()
+    await asyncio.get_running_loop().run_in_executor(None, worker.stop)
+
+
+async def missing_sdk(request):
+    return json_ok({"error": "the Tinker API needs the tinker SDK's protobuf schema: pip "
+                    "install 'rlproxy[tinker]'", "category": "server"}, status=501)
+
+
+def add_tinker_routes(app: web.Application) -> None:
+    """Register /api/v1/* (before the app's catch-all 404) and the worker's lifetime."""
+    if app[SETTINGS].server.tinker_max_models <= 0:
+        return
+    routes = [
+        ("POST", "client/config", empty), ("POST", "client/dynamic_config", empty),
+        ("POST", "create_session", create_session), ("POST", "session_heartbeat", empty),
+        ("POST", "telemetry", telemetry), ("GET", "get_server_capabilities", capabilities),
+        ("GET", "healthz", healthz), ("POST", "sessions/{session_id}/finish", finish_session),
+        ("POST", "create_model", create_model), ("POST", "get_info", get_info),
+        ("POST", "forward_backward", forward_backward), ("POST", "optim_step", optim_step),
+        ("POST", "save_weights", save_weights), ("POST", "load_weights", load_weights),
+        ("POST", "save_weights_for_sampler", save_for_sampler),
+        ("POST", "create_sampling_session", create_sampling_session),
+        ("GET", "samplers/{sampler_id}", get_sampler), ("POST", "asample", sample),
+        ("POST", "retrieve_future", retrieve_future),
+        ("GET", "training_runs/{model_id}/checkpoints", list_checkpoints),
+        ("GET", "training_runs/{run}/checkpoints/{kind}/{name}/archive", download_checkpoint),
+    ]
+    sdk = wire.schema() is not None
+    for method, path, handler in routes:
+        app.router.add_route(method, f"/api/v1/{path}", handler if sdk else missing_sdk)
+    if sdk:
+        app.cleanup_ctx.append(tinker_context)

@@ -1,0 +1,134 @@
+"""Tinker sampling sessions: which weights a sampler samples from, and `asample` itself.
+
+All sampling goes through the proxy's one engine. A session made on the base model samples with
+the live adapter (the default). A session made from saved sampler weights names an adapter the
+engine serves beside the live one (Engine.add_adapter: a model object that shares the serving
+model's frozen base arrays and carries the saved LoRA weights, decoded by a BatchGenerator of
+its own, stepped in turn with the live batch); at most MAX_ADAPTERS are loaded at once, the least
+recently used is dropped first. Prompt log-probs (compute_logprobs) are computed on the Tinker
+worker thread from the same model object the session samples with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from pathlib import Path
+
+from rlproxy.engine import Engine, Job, SamplingParams, asyncio_delivery
+from rlproxy.tinker import models
+from rlproxy.tinker.wire import UserError
+
+MAX_ADAPTERS = 8
+
+
+class Samplers:
+    def __init__(self, loaded, engine: Engine, worker: models.Worker):
+        self.loaded, self.engine, self.worker = loaded, engine, worker
+        self.sessions: dict[str, dict] = {}  # id -> {"path": Path | None, "model_path": str}
+        self.adapters: OrderedDict[str, object] = OrderedDict()  # adapter name -> its model
+
+    def open(self, session_id: str, path: Path | None, model_path: str | None) -> None:
+        self.sessions[session_id] = {"path": path, "model_path": model_path}
+
+    async def adapter_for(self, session_id: str) -> tuple[str | None, object]:
+        """(the engine's adapter name, None for the live one; the model it samples with)."""
+        if session_id not in self.sessions:
+            raise UserError(f"unknown sampling session {session_id!r}")
+        path = self.sessions[session_id]["path"]
+        if path is None:
+            return None, self.loaded.model
+        name = str(path)
+        if name in self.adapters:
+            self.adapters.move_to_end(name)
+            return name, self.adapters[name]
+        if not (path / "adapters.safetensors").exists():
+            raise UserError(f"no sampler weights at {self.sessions[session_id]['model_path']}")
+        model = await asyncio.wrap_future(self.worker.run(models.sampler_model, self.loaded, path))
+        self.engine.add_adapter(name, model)
+        self.adapters[name] = model
+        while len(self.adapters) > MAX_ADAPTERS:  # the least recently used goes
+            self.engine.drop_adapter(self.adapters.popitem(last=False)[0])
+        return name, model
+
+    def close(self) -> None:
+        for name in self.adapters:
+            self.engine.drop_adapter(name)
+        self.adapters.clear()
+
+
+def check_prompt(ids: list[int], max_tokens: int, vocab: int, context: int) -> None:
+    if not ids:
+        raise UserError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise UserError(f"prompt token id {bad[0]} is outside the vocabulary of {vocab}")
+    if len(ids) + max_tokens > context:
+        raise UserError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the "
+                        f"model's context of {context}")
+
+
+def stops_of(stop) -> tuple[set[int], list[str]]:
+    """Tinker's `stop`: a string, a list of strings, or a list of token ids."""
+    if stop is None:
+        return set(), []
+    if isinstance(stop, str):
+        return set(), [stop]
+    if all(isinstance(s, int) for s in stop):
+        return set(stop), []
+    if all(isinstance(s, str) for s in stop):
+        return set(), list(stop)
+    raise UserError("stop must be a string, a list of strings or a list of token ids")
+
+
+async def sample_one(engine: Engine, adapter: str | None, ids: list[int], params: SamplingParams,
+                     stop_ids: set[int], stop_strs: list[str], tokenizer) -> dict:
+    loop, q = asyncio.get_running_loop(), asyncio.Queue()
+    job = engine.submit(Job(list(ids), params, asyncio_delivery(loop, q), adapter=adapter))
+    tokens, logprobs, reason = [], [], "length"
+    try:
+        while True:
+            step = await q.get()
+            if step.error:
+                raise RuntimeError(f"sampling failed: {step.error}")
+            tokens.append(step.token.id)
+            logprobs.append(step.token.logprob)
+            if step.finish_reason is not None:
+                reason = "stop" if step.finish_reason == "stop" else "length"
+                break
+            if step.token.id in stop_ids or (stop_strs and any(
+                    s in tokenizer.decode(tokens) for s in stop_strs)):
+                reason = "stop"
+                break
+    finally:
+        if not job.done:
+            engine.cancel(job)
+    return {"tokens": tokens, "logprobs": logprobs, "stop_reason": reason}
+
+
+async def asample(samplers: Samplers, body: dict) -> tuple[list[dict], list | None]:
+    """(sequences, prompt log-probs or None) for one `asample` body."""
+    loaded = samplers.loaded
+    ids = [t for c in body.get("prompt", {}).get("chunks", []) for t in c.get("tokens", [])]
+    sp = body.get("sampling_params") or {}
+    max_tokens = int(sp.get("max_tokens") or 16)
+    n = int(body.get("num_samples") or 1)
+    if not 1 <= n <= 64:
+        raise UserError(f"num_samples must be between 1 and 64, got {n}")
+    check_prompt(ids, max_tokens, loaded.vocab_size, loaded.context_length)
+    stop_ids, stop_strs = stops_of(sp.get("stop"))
+    if not samplers.engine.alive or samplers.engine.error:
+        raise RuntimeError(f"the engine is not running: {samplers.engine.error}")
+    adapter, model = await samplers.adapter_for(body.get("sampling_session_id") or "")
+    seed = sp.get("seed")
+    params = [SamplingParams(max_tokens=max_tokens, temperature=float(sp.get("temperature", 1.0)),
+                             top_p=float(sp.get("top_p", 1.0)), top_k=max(0, int(sp.get("top_k")
+                                                                               or 0)),
+                             seed=None if seed is None else int(seed) + i) for i in range(n)]
+    sequences = await asyncio.gather(*[sample_one(samplers.engine, adapter, ids, p, stop_ids,
+                                                  stop_strs, loaded.tokenizer) for p in params])
+    prompt_lps = None
+    if body.get("prompt_logprobs"):
+        prompt_lps = await asyncio.wrap_future(
+            samplers.worker.run(models.prompt_logprobs, model, ids))
+    return list(sequences), prompt_lps
