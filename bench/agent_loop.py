@@ -231,7 +231,8 @@ def cold_prefill(server: Server, messages: list[dict], tools: list[dict],
         first = {**messages[0], "content": f"[{uuid.uuid4().hex}]\n{messages[0]['content']}"}
         messages = [first, *messages[1:]]
     r = stream_turn(server, messages, tools, {"X-RL-Opt-Out": "1"}, 0, 1)
-    if r.get("error") or r["cached_tokens"]:
+    # The template's opening tokens before the nonce may still match (a handful): not a warm start.
+    if r.get("error") or r["cached_tokens"] > 64:
         raise RuntimeError(f"the cold prefill was not cold or failed: {r}")
     return {"prompt_tokens": r["prompt_tokens"], "ttft_s": r["ttft_s"]}
 

@@ -132,7 +132,24 @@ class ResponseFormat(BaseModel):
     type: str
 
 
-class ChatRequest(BaseModel):
+class SessionFields(BaseModel):
+    """What every API's request body shares: the session protocol's body fallbacks (for
+    clients that cannot set headers; see sessions.py), and explicit nulls read as unset."""
+
+    session_id: str | None = None
+    turn_type: str | None = None
+    session_done: bool | str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI SDKs and agents send explicit nulls for unset options.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class ChatRequest(SessionFields):
     """A validated /v1/chat/completions body.
 
     `max_tokens` is the effective completion limit: `max_completion_tokens`
@@ -162,18 +179,6 @@ class ChatRequest(BaseModel):
     logit_bias: dict[int, float] | None = None  # token id -> bias; JSON keys are strings
     response_format: ResponseFormat | None = None
     user: str | None = None
-    # Session protocol fallbacks for clients that cannot set headers.
-    session_id: str | None = None
-    turn_type: str | None = None
-    session_done: bool | str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        # OpenAI SDKs and agents send explicit nulls for unset options.
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
     @field_validator("tool_choice", mode="wrap")
     @classmethod

@@ -165,6 +165,25 @@ def taught_server(taught_adapter, tmp_path_factory):
         yield s
 
 
+@pytest.fixture(scope="session")
+def thinking_model(tiny, tmp_path_factory):
+    """The tiny model with a chat template that opens a think block for the model, as Qwen3's
+    does: its whole (gibberish) completion is then reasoning, since it never writes the end."""
+    import dataclasses
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from transformers import AutoTokenizer
+
+    from rlproxy.embedded_model import embedded_model_path
+
+    path = tmp_path_factory.mktemp("thinking-tokenizer")
+    hf = AutoTokenizer.from_pretrained(embedded_model_path("tiny"))
+    hf.chat_template = hf.chat_template.replace("<|im_start|>assistant\n{% endif %}",
+                                                "<|im_start|>assistant\n<think>\n{% endif %}")
+    hf.save_pretrained(path)
+    return dataclasses.replace(tiny, tokenizer=load_tokenizer(path))
+
+
 def read_records(data_dir, name="conversations.jsonl") -> list[dict]:
     import json
 

@@ -3,7 +3,6 @@ the real server and the embedded tiny model (the taught adapter where a test nee
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import agents
@@ -13,10 +12,7 @@ import requests
 from agents import (
     Agent, FunctionTool, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
 )
-from mlx_lm.tokenizer_utils import load as load_tokenizer
-from transformers import AutoTokenizer
 
-from rlproxy.embedded_model import embedded_model_path
 
 from conftest import HELLO_REPLY, TOOLS, ServerThread, make_settings, read_records
 
@@ -306,18 +302,6 @@ async def test_openai_agents_runs_a_function_tool(taught_server, weather_tool, m
     linked = [r for r in records if r["api"] == api and r["next_state"]
               and r["next_state"][0].get("content") == "sunny"]
     assert linked and linked[-1]["next_state_link"] == "prefix"
-
-
-@pytest.fixture(scope="module")
-def thinking_model(tiny, tmp_path_factory):
-    """The tiny model with a chat template that opens a think block for the model, as Qwen3's
-    does: its whole (gibberish) completion is then reasoning (as in test_threads.py)."""
-    path = tmp_path_factory.mktemp("thinking-tokenizer")
-    hf = AutoTokenizer.from_pretrained(embedded_model_path("tiny"))
-    hf.chat_template = hf.chat_template.replace("<|im_start|>assistant\n{% endif %}",
-                                                "<|im_start|>assistant\n<think>\n{% endif %}")
-    hf.save_pretrained(path)
-    return dataclasses.replace(tiny, tokenizer=load_tokenizer(path))
 
 
 def test_reasoning_becomes_a_reasoning_item(thinking_model, tmp_path):

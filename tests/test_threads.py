@@ -479,18 +479,6 @@ def openai_error(status):
 
 # ---- reasoning output through the server ----
 
-@pytest.fixture(scope="module")
-def thinking_model(tiny, tmp_path_factory):
-    """The tiny model with a chat template that opens a think block for the model, as Qwen3's
-    does: its whole (gibberish) completion is then reasoning, since it never writes the end."""
-    path = tmp_path_factory.mktemp("thinking-tokenizer")
-    hf = AutoTokenizer.from_pretrained(embedded_model_path("tiny"))
-    hf.chat_template = hf.chat_template.replace("<|im_start|>assistant\n{% endif %}",
-                                                "<|im_start|>assistant\n<think>\n{% endif %}")
-    hf.save_pretrained(path)
-    return dataclasses.replace(tiny, tokenizer=load_tokenizer(path))
-
-
 @pytest.mark.parametrize("parser", ["auto", "none"])
 def test_reasoning_content_from_the_server(thinking_model, tmp_path, parser):
     with ServerThread(make_settings(tmp_path, reasoning_parser=parser), thinking_model) as s:

@@ -17,7 +17,7 @@ import re
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from rlproxy import protocol
 from rlproxy.protocol import APIError, ChatRequest
@@ -83,7 +83,7 @@ class OutputConfig(BaseModel):
     format: dict[str, Any] | None = None
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(protocol.SessionFields):
     """A /v1/messages/count_tokens body (what is templated); MessagesRequest adds generation."""
 
     model_config = _CONFIG
@@ -93,17 +93,6 @@ class CountTokensRequest(BaseModel):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     thinking: dict[str, Any] | None = None  # accepted, ignored: no separate thinking budget
-    # Session protocol fallbacks for clients that cannot set headers (see sessions.py).
-    session_id: str | None = None
-    turn_type: str | None = None
-    session_done: bool | str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
 
 class MessagesRequest(CountTokensRequest):

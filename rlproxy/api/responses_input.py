@@ -17,8 +17,7 @@ import re
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, \
-    model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlproxy import protocol
 from rlproxy.protocol import APIError, ChatRequest
@@ -26,7 +25,7 @@ from rlproxy.protocol import APIError, ChatRequest
 TEXT_PARTS = {"input_text", "output_text", "text", "refusal"}
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(protocol.SessionFields):
     """A validated /v1/responses body (fields this proxy does not use are ignored)."""
 
     # strict, as protocol.ChatRequest; extra="ignore": Codex and the SDKs send many options
@@ -48,17 +47,6 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     reasoning: dict[str, Any] | None = None  # accepted and ignored: the model thinks or not
     text: dict[str, Any] | None = None
-    # Session protocol fallbacks for clients that cannot set headers (as in ChatRequest).
-    session_id: str | None = None
-    turn_type: str | None = None
-    session_done: bool | str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
 
     @field_validator("input", mode="wrap")
     @classmethod
