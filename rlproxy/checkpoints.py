@@ -22,7 +22,9 @@ STATE = "trainer_state.json"
 
 def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.array],
                     optimizer_state, lora_config: dict, settings: dict, keep: int,
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, protect: Path | None = None) -> Path:
+    """Write checkpoint STEP, then prune to the KEEP newest (never PROTECT: a rollback's
+    target stays, though older than the KEEP newest)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -42,7 +44,8 @@ def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.a
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if protect is None or old.name != Path(protect).name:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -57,6 +60,23 @@ def complete_checkpoints(root: Path) -> list[Path]:
 def latest_checkpoint(root: Path) -> Path | None:
     found = complete_checkpoints(root)
     return found[-1] if found else None
+
+
+def layout_mismatch(current: dict[str, mx.array], adapter: dict[str, mx.array],
+                    current_opt=None, opt_state=None) -> str | None:
+    """Why a checkpoint's adapter (and optimizer state) cannot replace CURRENT's, or None.
+    MLX's `update` takes arrays of any shape without a word; serving or training fails later."""
+    mine = {k: v.shape for k, v in current.items()}
+    theirs = {k: v.shape for k, v in adapter.items()}
+    if mine != theirs:
+        diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs[k]]
+        k = diff[0]
+        return f"{k}: {theirs.get(k)} in the checkpoint, {mine.get(k)} here"
+    shapes = lambda tree: {k: v.shape for k, v in tree_flatten(tree or {})  # noqa: E731
+                           if isinstance(v, mx.array)}
+    if shapes(current_opt) and shapes(opt_state) != shapes(current_opt):  # an unused one: any
+        return "its optimizer state has other shapes than this trainer's"
+    return None
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, mx.array], dict, dict]:

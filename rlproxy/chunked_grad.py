@@ -31,7 +31,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import create_attention_mask
 
 from rlproxy import losses
@@ -270,17 +270,18 @@ def estimate_step_bytes(shape: dict, length: int, chunk: int, prompt_grad: str,
     """Peak bytes one sequence's step adds on top of the loaded model (float32 activations).
 
     Terms, checked against measured peak RSS on the CPU backend (NOTES_longctx): the K/V of every
-    position, x3 in `none` (the chunks' own, the concatenated past, a layer's transient copy),
-    x5 in `full` (+ the live past's gradient and the dK/dV accumulators); one chunk's
-    recomputation with its backward, whose largest part is the attention scores MLX
-    materializes (about 4 copies of heads x chunk x context per layer); the chunk's hidden
-    activations (~10 hidden + 4 intermediate wide per layer); the logits of a trained chunk
-    (logits, softmax, their gradient); and RUNTIME_SLACK for MLX's allocator and graphs.
-    `trained` is the number of trained positions."""
+    position, x4.5 in `none` (the chunks' own, the concatenated past, a layer's transient copy,
+    and the allocator's rounding: 4.05 copies measured at 24k on a K/V-heavy model,
+    NOTES_trainfix), x5.5 in `full` (+ the live past's gradient and the dK/dV accumulators:
+    4.8 measured); one chunk's recomputation with its backward, whose largest part is the
+    attention scores MLX materializes (about 4 copies of heads x chunk x context per layer);
+    the chunk's hidden activations (~10 hidden + 4 intermediate wide per layer); the logits of
+    a trained chunk (logits, softmax, their gradient); and RUNTIME_SLACK for MLX's allocator
+    and graphs. `trained` is the number of trained positions."""
     f = 4
     s = shape
     kv = s["layers"] * 2 * s["kv_heads"] * s["head_dim"] * length * f
-    kv *= 5 if prompt_grad == "full" else 3
+    kv = int(kv * (5.5 if prompt_grad == "full" else 4.5))
     c = min(chunk, length)
     window = max(c * min(length, FULL_CHUNK_CONTEXT), MIN_CHUNK * length)  # see chunk_bounds
     scores = s["layers"] * 4 * s["heads"] * window * f
@@ -300,3 +301,16 @@ def over_budget(shape: dict, ex: dict, chunk: int, prompt_grad: str, budget: int
 
 def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+SERVING_RESERVE = 2 * 2**30  # the engine's KV caches, prefix cache and the process besides
+TRAIN_SHARE = 0.75  # of what is left: the estimate is approximate, the OS needs room too
+
+
+def default_budget(*models) -> int:
+    """The step budget when train_memory_gb is not set: TRAIN_SHARE of physical memory less
+    the resident weights of MODELS (the training model, whose base the serving model shares,
+    and a KL reference model if loaded) and SERVING_RESERVE. 0 when nothing is left."""
+    resident = sum(v.nbytes for m in models if m is not None
+                   for _, v in tree_flatten(m.parameters()))
+    return max(0, int(TRAIN_SHARE * (physical_memory_bytes() - resident - SERVING_RESERVE)))

@@ -136,6 +136,7 @@ def serve(args: argparse.Namespace) -> int:
     from rlproxy.server import create_app
 
     settings = load_settings(flags_from(args), args.config)
+    setup_logging(args.log_level, settings.server.log_format)  # flag > env > the TOML file
     app = create_app(settings)
     web.run_app(app, host=settings.server.host, port=settings.server.port,
                 print=lambda msg: print(msg, flush=True),
@@ -208,6 +209,7 @@ def train_cmd(args: argparse.Namespace) -> int:
     # Never write into the live server's data dir by accident: default beside the source.
     flags["data_dir"] = flags.get("data_dir") or str(source / "offline-train")
     settings = load_settings(flags, args.config)
+    setup_logging(args.log_level, settings.server.log_format)
     with progress.phase("read the released turns"):
         turns = released_turns(source, settings.scoring.w_opd, settings.scoring.w_rl,
                                max_attempts=settings.trainer.max_step_attempts)
@@ -284,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--api-key", help="its --api-key, for the step history (env RLPROXY_API_KEY)")
     st.set_defaults(func=status_cmd)
     args = parser.parse_args(argv)
-    # the flag, else RLPROXY_LOG_FORMAT (it is a server setting, read here before the others)
-    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", None)
-                  or os.environ.get("RLPROXY_LOG_FORMAT") or "text")
+    if args.func not in (serve, train_cmd):  # those two set it up from their loaded settings
+        setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", None)
+                      or os.environ.get("RLPROXY_LOG_FORMAT") or "text")
     try:
         return args.func(args)
     except ValueError as e:  # settings problems: say what to change, no traceback

@@ -11,6 +11,7 @@ is a line in training.jsonl.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from rlproxy.api.turns import json_response
 from rlproxy.appkeys import ENGINE, SETTINGS, TRAINER
 from rlproxy.checkpoints import complete_checkpoints
 from rlproxy.protocol import APIError
-from rlproxy.records import JsonlWriter
+from rlproxy.records import JsonlWriter, read_jsonl
 
 TRAINING = "training.jsonl"  # trainer.TRAINING
 ROLLBACK_TIMEOUT_S = 300.0  # the trainer finishes the step in progress first
@@ -59,13 +60,15 @@ async def serve_adapter(request: web.Request) -> web.Response:
         if not trainer.alive:
             raise APIError(503, f"the trainer is not running: {trainer.error}",
                            type="server_error")
-        future = trainer.request_rollback(path)
+        from rlproxy.trainer import RollbackSuperseded  # loaded already where training is on
+
         try:
-            line = await asyncio.wait_for(asyncio.wrap_future(future), ROLLBACK_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise APIError(503, "the trainer did not take the rollback within "
-                           f"{ROLLBACK_TIMEOUT_S:.0f} s; it will still apply it",
-                           type="server_error") from None
+            line = await trainer_rollback(trainer, path)
+        except RollbackSuperseded as e:  # a later request won: nothing to report here
+            raise APIError(409, f"{e}; this request was not applied",
+                           code="rollback_superseded") from None
+        except APIError:
+            raise
         except Exception as e:  # e.g. a checkpoint of another LoRA layout: nothing changed
             raise unusable(path, e) from None
     else:
@@ -78,6 +81,22 @@ async def serve_adapter(request: web.Request) -> web.Response:
                           "served_version": int(engine.adapter_version)})
 
 
+async def trainer_rollback(trainer, path: Path) -> dict:
+    """The trainer's rollback line. Past the timeout a request the trainer has not taken is
+    withdrawn (503: nothing changed); one it is applying is awaited (that takes moments)."""
+    future = trainer.request_rollback(path)
+    wrapped = asyncio.wrap_future(future)
+    try:  # shield: a timeout must not cancel a rollback the trainer may be applying
+        return await asyncio.wait_for(asyncio.shield(wrapped), ROLLBACK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        if future.cancel():  # only while not taken: the trainer then drops it
+            raise APIError(503, "the trainer did not take the rollback within "
+                           f"{ROLLBACK_TIMEOUT_S:.0f} s (a long step in progress); it was "
+                           "withdrawn and nothing changed: try again",
+                           type="server_error") from None
+    return await wrapped
+
+
 def unusable(path: Path, e: Exception) -> APIError:
     return APIError(409, f"checkpoint {path.name} cannot be served by this model: "
                     f"{type(e).__name__}: {e}", code="checkpoint_unusable")
@@ -86,15 +105,21 @@ def unusable(path: Path, e: Exception) -> APIError:
 def publish_checkpoint(app: web.Application, path: Path) -> dict:
     """Training is off: hand the checkpoint's adapter to the engine as a new version. Runs on
     the event loop's thread, where the models were loaded (a small adapter loads in ms)."""
-    import json
-
     import mlx.core as mx
+
+    from rlproxy.checkpoints import layout_mismatch
+    from rlproxy.model import lora_weights
 
     engine = app[ENGINE]
     weights = mx.load(str(path / "adapters.safetensors"))
+    problem = layout_mismatch(lora_weights(engine.model), weights)  # shapes only: no compute
+    if problem:
+        raise ValueError(f"another model or LoRA layout than this one ({problem})")
     mx.eval(weights)  # concrete before the engine thread sees it
     state = json.loads((path / "trainer_state.json").read_text())
-    version = engine.adapter_version + 1  # the handler waits for it before answering
+    # the handler waits for it before answering; above every version recorded, so a restarted
+    # server (its engine back at 0) never reuses one that turns and steps already carry
+    version = max(engine.adapter_version, recorded_version(app)) + 1
     engine.publish_adapter(weights, version)
     line = {"kind": "rollback", "step": state["step"], "adapter_version": version,
             "checkpoint": str(path), "checkpoint_step": state["step"],
@@ -105,6 +130,19 @@ def publish_checkpoint(app: web.Application, path: Path) -> dict:
     writer.write(line)
     writer.close()
     return line
+
+
+def recorded_version(app: web.Application) -> int:
+    """The highest adapter version training.jsonl and the checkpoints name (0: none)."""
+    data_dir = app[SETTINGS].records.data_dir
+    versions = [ln.get("adapter_version") for ln in read_jsonl(data_dir / TRAINING)]
+    for path in complete_checkpoints(checkpoint_dir(app)):
+        try:
+            versions.append(json.loads((path / "trainer_state.json").read_text())[
+                "adapter_version"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged checkpoint names nothing
+    return max((v for v in versions if isinstance(v, int)), default=0)
 
 
 def the_trainer(app: web.Application):

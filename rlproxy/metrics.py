@@ -13,6 +13,7 @@ Owns nothing else: no state of the loop lives here, and nothing here touches MLX
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from collections import deque
 import os
@@ -56,8 +57,9 @@ JUDGE_CALLS = Counter("rlproxy_judge_calls", "Judge calls made (one per vote or 
 JUDGE_FAILURES = Counter("rlproxy_judge_failures", "Judge calls that failed", registry=None)
 JUDGE_LATENCY = Histogram("rlproxy_judge_latency_seconds", "Time to score one turn (all its "
                           "judge calls)", buckets=LATENCY_BUCKETS, registry=None)
-REWARD = Histogram("rlproxy_reward", "Reward of each scored turn", buckets=REWARD_BUCKETS,
-                   registry=None)
+REWARD = Histogram("rlproxy_reward", "Reward of each scored turn when it was scored, and again "
+                   "when /v1/feedback changes it",
+                   buckets=REWARD_BUCKETS, registry=None)
 STEP_TIME = Histogram("rlproxy_train_step_seconds", "Wall time of one optimizer step",
                       buckets=LATENCY_BUCKETS, registry=None)
 LOSS = Gauge("rlproxy_train_loss", "Loss of the last optimizer step", registry=None)
@@ -195,7 +197,8 @@ class LiveCollector:
         yield gauge("rlproxy_trainer_up", "1 while the trainer thread runs (0: off or died)",
                     int(trainer is not None and trainer.alive and trainer.error is None))
         if trainer is not None:
-            yield counter("rlproxy_train_steps", "Optimizer steps", trainer.stats["steps"])
+            yield counter("rlproxy_train_steps", "Optimizer steps taken by this process "
+                          "(not rollbacks)", trainer.stats["optimizer_steps"])
             yield counter("rlproxy_turns_trained", "Turns trained on",
                           trainer.stats["turns_trained"])
             yield counter("rlproxy_train_turns_skipped", "Turns skipped (too long, too big)",
@@ -261,6 +264,9 @@ async def metrics_middleware(request: web.Request, handler):
         return resp
     except web.HTTPException as e:
         status = e.status
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away (nginx's code): not a server error
         raise
     finally:
         REQUESTS.labels(api_of(request.path), str(status)).inc()

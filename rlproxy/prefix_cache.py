@@ -104,6 +104,8 @@ class PrefixCache:
         self.version, self.ns = 0, None  # set by the engine (set_adapter) before any lookup
         self._window: list[tuple[int, str]] = []  # (version, ns) servable now, newest first
         self._parents = self._read_lineage()  # ns -> (version, ns) of the adapter it came from
+        self._resets: set[int] = set()  # versions that start a lineage of their own (rollback)
+        self._seen: dict[str, int] = {}  # fingerprint -> the version first served with it
         self._lock = threading.Lock()  # index, memory LRU, counters
         self._entries: dict[str, Entry] = {}
         self._by_block: dict[str, set[str]] = {}  # block hash -> keys of entries containing it
@@ -135,7 +137,11 @@ class PrefixCache:
     def set_adapter(self, version: int, fingerprint: str) -> None:
         """The engine now serves this adapter: look up under it and the N before it."""
         ns = digest(self.base.encode(), f"{version}:{fingerprint}".encode(), person=b"ns")
-        if self.ns is not None and version == self.version + 1 and ns not in self._parents:
+        reset = version in self._resets or self._seen.get(fingerprint, version) < self.version
+        self._resets.discard(version)
+        self._seen.setdefault(fingerprint, version)
+        if (self.ns is not None and version == self.version + 1 and ns not in self._parents
+                and not reset):  # a rollback's weights did not come from the served adapter
             # One trainer step: the adapter served until now is this one's parent. The first
             # link recorded wins, so a restart's jump to a resumed version keeps its history.
             self._parents[ns] = (self.version, self.ns)
@@ -144,6 +150,12 @@ class PrefixCache:
             window.append(self._parents[window[-1][1]])
         self.version, self.ns, self._window = version, ns, window
         self._queue.put(("stale", version))
+
+    def reset_lineage(self, version: int) -> None:
+        """VERSION, about to be published, is not a training step from the adapter served now
+        (a rollback to an old checkpoint): KV from the versions before it must not be reused
+        under it. Any thread; call it before publishing."""
+        self._resets.add(version)
 
     def fetch(self, prompt: list[int]) -> tuple[list[KVCache] | None, int, tuple[int, str]]:
         """(a fresh cache holding the longest stored prefix of prompt, its length, source):

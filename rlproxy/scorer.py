@@ -279,6 +279,8 @@ class Scorer:
         self.writer.write(release)
         self.released[uid] = release
         self.stats["released"] += 1
+        if reason == "feedback" and reward is not None:  # a reward scoring never saw
+            metrics.REWARD.observe(reward)
         if reason == "at_least_one":
             log.info("at_least_one session=%s turn=%s reward=+1", line["session_id"],
                      line["index"])

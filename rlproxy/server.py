@@ -10,6 +10,7 @@ client can cause is a 4xx in OpenAI's error shape (Anthropic's under /v1/message
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from datetime import datetime, timezone
@@ -85,15 +86,40 @@ async def auth_middleware(request: web.Request, handler):
         raise APIError(401, "Incorrect API key provided. Send it as 'Authorization: Bearer "
                        "<key>' or 'x-api-key: <key>' (--api-key / RLPROXY_API_KEY).",
                        code="invalid_api_key")
+    if request.method == "POST" and request.path.startswith("/ui/api/") \
+            and not (key and header_authorized(request, key)) and not same_origin(request):
+        raise APIError(403, "the dashboard's actions take requests from its own pages only "
+                       "(send header 'X-RLProxy-UI: 1', or use /v1/... with the API key)",
+                       code="cross_site_request")
     return await handler(request)
 
 
+def header_authorized(request: web.Request, key: str) -> bool:
+    # OpenAI clients send a Bearer token, Anthropic's send x-api-key
+    return (same_key(request.headers.get("Authorization"), f"Bearer {key}")
+            or same_key(request.headers.get("x-api-key"), key))
+
+
 def authorized(request: web.Request, key: str) -> bool:
-    # OpenAI clients send a Bearer token, Anthropic's send x-api-key; the dashboard's pages
-    # send the cookie its login form set (HttpOnly, same-site, valid under /ui only).
-    return (request.headers.get("Authorization") == f"Bearer {key}"
-            or request.headers.get("x-api-key") == key
-            or (request.path.startswith("/ui") and request.cookies.get(COOKIE) == key))
+    # the dashboard's pages send the cookie its login form set (HttpOnly, valid under /ui only)
+    return header_authorized(request, key) or (
+        request.path.startswith("/ui") and same_key(request.cookies.get(COOKIE), key))
+
+
+def same_key(given: str | None, key: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+
+
+def same_origin(request: web.Request) -> bool:
+    """Whether a cookie-carrying POST comes from the dashboard's own pages. SameSite does not
+    tell ports apart, so a page on another port of this host would pass it: a browser sends
+    the custom header only after a CORS preflight this server never grants cross-site."""
+    if request.headers.get("X-RLProxy-UI") == "1":
+        return True
+    if request.headers.get("Sec-Fetch-Site") == "same-origin":
+        return True
+    origin = request.headers.get("Origin")
+    return origin is not None and origin == f"{request.scheme}://{request.host}"
 
 
 def model_card(app: web.Application, name: str) -> dict:

@@ -155,7 +155,8 @@ class TrainerSettings(Section):
         "a smaller value yields to serving sooner; a larger one may train faster on big models")
     train_memory_gb: float | None = Field(
         None, gt=0, description="skip turns whose step is estimated to need more memory than "
-        "this (default: half of physical memory)")
+        "this many GB (default: 3/4 of physical memory less the loaded weights, serving and KL "
+        "reference, and a 2 GB serving reserve); raise it to train longer turns")
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm (0: off)")
     baseline: Literal["none", "mean"] = "mean"
     save_interval: int = Field(10, ge=1)
@@ -164,7 +165,8 @@ class TrainerSettings(Section):
     duty_cycle: float = Field(
         0.5, gt=0, le=1, description="share of time training may take while requests decode")
     max_step_attempts: int = Field(
-        2, ge=1, description="steps a turn may fail (raise, or die in) before it is quarantined;"
+        2, ge=1, le=10, description="steps a turn may fail (raise, or die in) before it is "
+        "quarantined (1 to 10);"
         " 2 retries it once, 1 quarantines every turn of a failed step")
 
 

@@ -78,8 +78,12 @@ def status_cmd(args) -> int:
     key = args.api_key or os.environ.get("RLPROXY_API_KEY")
     try:
         health = fetch(url + "/healthz", None)
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError) as e:  # refused, unresolvable, timed out
         print(f"rlproxy status: cannot reach {url}: {e}", file=sys.stderr)
+        return 1
+    except ValueError:  # some other server on that port
+        print(f"rlproxy status: {url}/healthz did not answer JSON: is it an rlproxy server?",
+              file=sys.stderr)
         return 1
     try:
         overview = fetch(url + "/ui/api/overview", key)
@@ -88,6 +92,9 @@ def status_cmd(args) -> int:
         if e.code == 401:
             print("(pass --api-key or set RLPROXY_API_KEY for the step history)",
                   file=sys.stderr)
+    except (OSError, ValueError) as e:  # the server went away or answered garbage
+        overview = None
+        print(f"(no step history: {url}/ui/api/overview failed: {e})", file=sys.stderr)
     print(render(health, overview))
     print(time.strftime("as of %H:%M:%S"), f"- dashboard: {url}/ui")
     return 0

@@ -8,9 +8,15 @@ with `"died": true`. Each failed step costs every turn in it one attempt; a turn
 `max_attempts` gets one `{"kind": "quarantined", "uid", "reason"}` line and is never trained
 again: a poison turn costs at most `max_attempts` crashes, never a crash loop.
 
-This module keeps the books, plus two checks on a turn record (`outside_vocab`: ids that would
-crash MLX rather than raise; `turn_length`); the trainer decides what to run and retry
-(trainer.py `train_journaled`). The file is `train_journal.jsonl` in the data dir, append-only.
+Only the turns' compute (examples, forward and backward) is charged: the step ends ok as soon as
+the optimizer update is applied, so a failure after it (a checkpoint save on a full disk, a
+later epoch) is logged and surfaced, never retrained. When SYSTEMIC_TURNS different turns fail
+in a row with one error type the cause is not the turns: training pauses with an error instead
+of quarantining them all.
+
+This module keeps the books and runs a batch between them (`run_batch`), plus two checks on a
+turn record (`outside_vocab`: ids that would crash MLX rather than raise; `turn_length`); the
+trainer does the training. The file is `train_journal.jsonl` in the data dir, append-only.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from rlproxy.records import JsonlWriter, read_jsonl
 
 log = logging.getLogger("rlproxy.trainer")
 JOURNAL = "train_journal.jsonl"
+SYSTEMIC_TURNS = 3  # different turns failing in a row with one error type: the cause is not them
 DIED = "the process died during this step (killed, out of memory or crashed)"
 
 
@@ -64,6 +71,8 @@ class StepJournal:
         self.max_attempts = max_attempts
         self.failures, self.quarantined, open_steps, self._n = read_journal(data_dir)
         self.failed_steps = 0  # in this process
+        self._streak: tuple[str, set[str]] = ("", set())  # (error type, turns) failing in a row
+        self.open: tuple[int, list[str]] | None = None  # the step started, update not applied
         self.writer = JsonlWriter(Path(data_dir) / JOURNAL, fsync=fsync)
         for n, start in sorted(open_steps.items()):  # the last run died inside these steps
             self.writer.write({"kind": "step_end", "n": n, "ok": False, "error": DIED,
@@ -77,17 +86,38 @@ class StepJournal:
     def start(self, uids: list[str], tokens: int) -> int:
         """Journal a step over UIDS (TOKENS prompt + completion ids in all) before it runs."""
         self._n += 1
+        self.open = (self._n, uids)
         self.writer.write({"kind": "step_start", "n": self._n, "uids": uids,
                            "attempt": 1 + max(self.failures[u] for u in uids), "tokens": tokens,
                            "time": time.time()})
         return self._n
 
-    def end(self, n: int, uids: list[str], error: str | None = None) -> None:
+    def applied(self) -> None:
+        """The open step's update is applied (or there was none to apply): it ended ok."""
+        if self.open is not None:
+            self.end(*self.open)
+
+    def end(self, n: int, uids: list[str], error: str | None = None,
+            charge: bool = True) -> None:
+        """Step N ended (ERROR: it raised; CHARGE: the turns lose an attempt for it)."""
+        self.open = None
         self.writer.write({"kind": "step_end", "n": n, "ok": error is None, "error": error,
-                           "time": time.time()})
-        if error is not None:
+                           "charged": charge, "time": time.time()})
+        if error is None:
+            self._streak = ("", set())
+        else:
             self.failed_steps += 1
-            self._charge(uids, error)
+            if charge:
+                self._charge(uids, error)
+
+    def systemic(self, uids: list[str], error_type: str) -> bool:
+        """Whether this failure makes SYSTEMIC_TURNS different turns in a row failing with
+        ERROR_TYPE: a cause outside the turns (an unsupported model, a bug), so quarantining
+        each would empty the queue. The count starts over after it says so."""
+        kind, turns = self._streak
+        turns = (turns if kind == error_type else set()) | set(uids)
+        self._streak = ("", set()) if len(turns) >= SYSTEMIC_TURNS else (error_type, turns)
+        return len(turns) >= SYSTEMIC_TURNS
 
     def resumed(self, step: int, lost_steps: int, uids: list[str]) -> None:
         """The trainer resumed from checkpoint STEP; LOST_STEPS steps after it are redone."""
@@ -114,6 +144,52 @@ class StepJournal:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def run_batch(trainer, batch: list[dict]) -> list[dict]:
+    """TRAINER's `train_batch` over BATCH between a journaled start and end; its step lines.
+    A step whose compute raises costs each of its turns one attempt; a several-turn step is
+    then retried turn by turn (innocent turns train, the poison one alone fails again), a
+    one-turn step again until its turn is quarantined. Never raises for a turn's sake, so the
+    trainer thread lives on."""
+    journal = trainer.journal
+    for s in batch:  # an id outside the vocabulary segfaults MLX instead of raising
+        bad = outside_vocab(s["turn"], trainer.vocab_size)
+        if bad is not None:
+            journal.quarantine(s["turn"]["uid"], f"token id {bad} is outside this model's "
+                               f"vocabulary of {trainer.vocab_size} (recorded under another "
+                               "model?); training on it would crash")
+    batch = [s for s in batch if s["turn"]["uid"] not in journal.quarantined]
+    if not batch:
+        return []
+    uids = [s["turn"]["uid"] for s in batch]
+    journal.start(uids, sum(turn_length(s["turn"]) for s in batch))
+    lines: list[dict] = []
+    try:
+        trainer.train_batch(batch, lines)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"[:2000]
+        if journal.open is None:  # raised after an update was applied: not the turns' fault
+            log.exception("training after the update over turns %s failed", ", ".join(uids))
+            trainer.trained.update(uids)  # retraining would apply the update twice
+            trainer.stats["errors_after_update"] += 1
+            trainer.error = f"after step {trainer.step}: {error}"
+            return lines
+        log.exception("training step over turns %s failed", ", ".join(uids))
+        if len(batch) == 1 and journal.systemic(uids, type(e).__name__):
+            journal.end(*journal.open, error, charge=False)
+            trainer.paused = True  # the loop waits in _control until the operator resumes
+            trainer.error = (f"training paused: {SYSTEMIC_TURNS} different turns in a row "
+                             f"failed with {error}; fix the cause, then resume")
+            log.error(trainer.error)
+            trainer.inbox.put(batch[0])  # kept for after the resume
+            return []
+        journal.end(*journal.open, error)
+        if len(batch) > 1:
+            return [line for one in batch for line in run_batch(trainer, [one])]
+        return run_batch(trainer, batch)  # returns [] once the turn is quarantined
+    journal.applied()  # no step was taken (every turn skipped)
+    return lines
 
 
 def outside_vocab(turn: dict, vocab_size: int | None) -> int | None:

@@ -27,12 +27,14 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from rlproxy import chunked_grad, losses, metrics
-from rlproxy.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlproxy.checkpoints import (
+    latest_checkpoint, layout_mismatch, load_checkpoint, save_checkpoint,
+)
 from rlproxy.model import lora_weights, quantize_base
 from rlproxy.records import CONVERSATIONS, JsonlWriter, read_jsonl
 from rlproxy.scoring import token_advantages
 from rlproxy.settings import Settings
-from rlproxy.train_journal import StepJournal, outside_vocab, quarantined_uids, turn_length
+from rlproxy.train_journal import StepJournal, quarantined_uids, run_batch
 
 log = logging.getLogger("rlproxy.trainer")
 TRAINING = "training.jsonl"
@@ -55,6 +57,10 @@ def training_copy(loaded) -> nn.Module:
     return model
 
 
+class RollbackSuperseded(Exception):
+    """A rollback request replaced by a later one before the trainer took it."""
+
+
 class Trainer:
     def __init__(self, settings: Settings, model: nn.Module, lora_config: dict, engine=None,
                  data_dir: Path | None = None, ref_model: nn.Module | None = None,
@@ -74,9 +80,14 @@ class Trainer:
         self.version = engine.adapter_version if engine is not None else 0
         self.baseline, self.baseline_n = 0.0, 0
         self.inbox: queue.Queue = queue.Queue()
-        self.queued: set[str] = set()
+        self.queued: set[str] = set()  # submitted, not yet trained, skipped or quarantined
+        self._latest: dict[str, dict] = {}  # uid -> a feedback update that came while queued
+        self._skipped: set[str] = set()  # skipped in this process: one `skipped` line each
+        self._lock = threading.Lock()  # submit (any thread) against _done / request_rollback
         self.error: str | None = None
-        self.stats = {"steps": 0, "turns_trained": 0, "skipped": 0, "last_loss": None}
+        self.stats = {"steps": 0, "turns_trained": 0, "skipped": 0, "last_loss": None,
+                      "save_errors": 0, "errors_after_update": 0,
+                      "optimizer_steps": 0}  # in this process; `steps` counts rollbacks too
         self.writer = JsonlWriter(self.data_dir / TRAINING, fsync=settings.records.fsync)
         self.trained = {u for line in read_jsonl(self.data_dir / TRAINING)
                         for u in line.get("uids", [])}
@@ -86,7 +97,7 @@ class Trainer:
         self._batch: list[dict] = []  # turns collected towards the next batch
         self.shape = chunked_grad.model_shape(model)
         self.memory_budget = (t.train_memory_gb * 2**30 if t.train_memory_gb
-                              else chunked_grad.physical_memory_bytes() // 2)
+                              else chunked_grad.default_budget(model, ref_model))
         self.units = {"units": 0, "max_unit_s": 0.0, "yielded_s": 0.0}  # of the current step
         self._thread: threading.Thread | None = None
         self._running = False
@@ -100,8 +111,7 @@ class Trainer:
                 self._forget_lost_steps(0)
             return None
         adapter, opt_state, state = load_checkpoint(path)
-        mine = {k: v.shape for k, v in lora_weights(self.model).items()}
-        if {k: v.shape for k, v in adapter.items()} != mine:  # MLX would load it regardless
+        if layout_mismatch(lora_weights(self.model), adapter):
             raise ValueError(
                 f"the newest checkpoint, {path}, holds an adapter for another model or LoRA "
                 "layout than this one (--model, --lora-rank, --lora-layers, --lora-keys); "
@@ -144,7 +154,10 @@ class Trainer:
         if self._thread is not None:
             self._thread.join(timeout=120)
         else:  # offline use: the caller's thread did the training
-            self._save_unsaved()
+            try:
+                self._save_unsaved()
+            except Exception:
+                log.exception("could not save the final checkpoint")
         self.writer.close()
         self.journal.close()
 
@@ -161,12 +174,27 @@ class Trainer:
         uid = scored["turn"]["uid"]
         if uid in self.journal.quarantined:  # never again, whatever feedback says
             return
-        if scored.get("update"):  # feedback changed its reward: train on it again
-            self.trained.discard(uid)
-            self.queued.discard(uid)
-        if uid not in self.trained and uid not in self.queued:
-            self.queued.add(uid)
-            self.inbox.put(scored)
+        with self._lock:
+            if scored.get("update"):  # feedback changed its reward: train on it again
+                self.trained.discard(uid)
+                self._skipped.discard(uid)
+                if uid in self.queued:  # waiting, or in a step now: the newest copy replaces it
+                    self._latest[uid] = scored
+                    return
+            if uid not in self.trained and uid not in self.queued:
+                self.queued.add(uid)
+                self.inbox.put(scored)
+
+    def _done(self, batch: list[dict]) -> None:
+        """After BATCH's step: its turns leave `queued` once trained, skipped or quarantined; one
+        whose reward changed meanwhile goes round again with the new reward."""
+        with self._lock:
+            for uid in {s["turn"]["uid"] for s in batch}:
+                if uid in self._latest:
+                    self.inbox.put(self._latest.pop(uid))
+                elif (uid in self.trained or uid in self._skipped
+                      or uid in self.journal.quarantined):
+                    self.queued.discard(uid)
 
     def _run(self) -> None:
         import gc
@@ -178,6 +206,7 @@ class Trainer:
                     self._control()  # a rollback asked for; a pause holds the batch here
                     if batch:  # its units keep the duty cycle (_between_units)
                         self.train_journaled(batch)
+                        self._done(batch)
         except Exception as e:  # surfaced on /healthz
             log.exception("trainer thread died")
             self.error = f"{type(e).__name__}: {e}"
@@ -198,40 +227,19 @@ class Trainer:
             item = self.inbox.get()
             if item is None:
                 break
+            item = self._latest.pop(item["turn"]["uid"], item)  # an update came meanwhile
             if self.journal.failures[item["turn"]["uid"]]:
                 return [item]
             self._batch.append(item)
             if len(self._batch) == self.t.batch_size:
                 batch, self._batch = self._batch, []
-                return batch
+                return [self._latest.pop(s["turn"]["uid"], s) for s in batch]
         return []
 
     def train_journaled(self, batch: list[dict]) -> list[dict]:
-        """`train_batch` between a journaled start and end. A step that raises costs each of
-        its turns one attempt; a several-turn step is then retried turn by turn (innocent turns
-        train, the poison one alone fails again), a one-turn step again until its turn is
-        quarantined. Never raises for a turn's sake, so the trainer thread lives on."""
-        for s in batch:  # an id outside the vocabulary segfaults MLX instead of raising
-            bad = outside_vocab(s["turn"], self.vocab_size)
-            if bad is not None:
-                self.journal.quarantine(s["turn"]["uid"], f"token id {bad} is outside this "
-                                        f"model's vocabulary of {self.vocab_size} (recorded "
-                                        "under another model?); training on it would crash")
-        batch = [s for s in batch if s["turn"]["uid"] not in self.journal.quarantined]
-        if not batch:
-            return []
-        uids = [s["turn"]["uid"] for s in batch]
-        n = self.journal.start(uids, sum(turn_length(s["turn"]) for s in batch))
-        try:
-            lines = self.train_batch(batch)
-        except Exception as e:
-            log.exception("training step over turns %s failed", ", ".join(uids))
-            self.journal.end(n, uids, f"{type(e).__name__}: {e}"[:2000])
-            if len(batch) > 1:
-                return [line for one in batch for line in self.train_journaled([one])]
-            return self.train_journaled(batch)  # returns [] once the turn is quarantined
-        self.journal.end(n, uids)
-        return lines
+        """`train_batch` between a journaled start and end (train_journal.py `run_batch`): a
+        turn whose step raises is retried alone, then quarantined. Never raises for a turn."""
+        return run_batch(self, batch)
 
     def _between_units(self, spent: float) -> None:
         """Serving first. Called after each unit of a step (one chunk's forward or backward, or
@@ -254,9 +262,11 @@ class Trainer:
         ex = chunked_grad.turn_example(turn, scored["advantages"], scored["reward"])
         reason = self._skip_reason(ex)
         if reason is not None:
-            self.stats["skipped"] += 1
-            self.writer.write({"kind": "skipped", "uid": turn["uid"], "reason": reason})
-            log.warning("skipped turn %s: %s", turn["uid"], reason)
+            if turn["uid"] not in self._skipped:  # retried at each restart: one line each
+                self._skipped.add(turn["uid"])
+                self.stats["skipped"] += 1
+                self.writer.write({"kind": "skipped", "uid": turn["uid"], "reason": reason})
+                log.warning("skipped turn %s: %s", turn["uid"], reason)
             return None
         if self.t.baseline == "mean" and scored["reward"] is not None:
             # An exponential running mean of past rewards (decay 0.9), subtracted from the RL
@@ -265,10 +275,10 @@ class Trainer:
                 lo = ex["mask"].index(1.0)
                 ex["adv"][lo:] = [a - self.settings.scoring.w_rl * self.baseline
                                   for a in ex["adv"][lo:]]
-                self.baseline = 0.9 * self.baseline + 0.1 * scored["reward"]
-            else:
-                self.baseline = scored["reward"]
-            self.baseline_n += 1
+            if not self.journal.failures[turn["uid"]]:  # once per turn, not per attempt
+                self.baseline = (0.9 * self.baseline + 0.1 * scored["reward"]
+                                 if self.baseline_n else scored["reward"])
+                self.baseline_n += 1
         return ex
 
     def _skip_reason(self, ex: dict | None) -> str | None:
@@ -279,17 +289,19 @@ class Trainer:
         return chunked_grad.over_budget(self.shape, ex, self.t.train_chunk_tokens,
                                         self.t.prompt_grad, self.memory_budget)
 
-    def train_batch(self, batch: list[dict]) -> list[dict]:
+    def train_batch(self, batch: list[dict], out: list[dict] | None = None) -> list[dict]:
+        """Its step lines, appended to OUT as they are written (what a caller keeps on a raise)."""
+        out = [] if out is None else out
         examples = [e for e in (self._example(s) for s in batch) if e is not None]
         if not examples:
-            return []
+            return out
         examples = chunked_grad.pack(examples)  # a session's turns in one pass, when exact
-        out = []
+        uids = [u for e in examples for u in e["uids"]]
         for epoch in range(self.t.train_epochs):
             out.append(self.train_step(examples, epoch))
-        uids = [u for e in examples for u in e["uids"]]
-        self.trained.update(uids)
-        self.stats["turns_trained"] += len(uids)
+            if epoch == 0:  # trained now, whatever a later epoch does
+                self.trained.update(uids)
+                self.stats["turns_trained"] += len(uids)
         return out
 
     def train_step(self, examples: list[dict], epoch: int = 0) -> dict:
@@ -314,6 +326,7 @@ class Trainer:
             grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
         self.optimizer.update(self.model, grads)
         mx.eval(self.model.parameters(), self.optimizer.state)
+        self.journal.applied()
         self._between_units(time.perf_counter() - unit)
         self.step += 1
         self.version += 1
@@ -340,17 +353,27 @@ class Trainer:
         }
         self.writer.write(line)
         metrics.observe_train_step(line)
-        self.stats.update(steps=self.step, last_loss=total)
+        self.stats.update(steps=self.step, last_loss=total,
+                          optimizer_steps=self.stats["optimizer_steps"] + 1)
         if self.step % self.t.save_interval == 0:
-            self.save()
+            try:
+                self.save()
+            except Exception as e:  # e.g. a full disk: the step stands; the next save retries
+                log.exception("could not save the checkpoint of step %d", self.step)
+                self.stats["save_errors"] += 1
+                self.error = f"checkpoint save failed at step {self.step}: {type(e).__name__}: {e}"
         return line
 
-    def save(self) -> Path:
-        self._saved_step = self.step
-        return save_checkpoint(self.checkpoints, self.step, self.version,
+    def save(self, protect: Path | None = None) -> Path:
+        path = save_checkpoint(self.checkpoints, self.step, self.version,
                                lora_weights(self.model), self.optimizer.state, self.lora_config,
                                self.settings.model_dump(mode="json"), self.t.keep_checkpoints,
-                               extra={"baseline": [self.baseline, self.baseline_n]})
+                               extra={"baseline": [self.baseline, self.baseline_n]},
+                               protect=protect)
+        self._saved_step = self.step  # only now: a failed save is tried again at the next one
+        if self.error and self.error.startswith("checkpoint save failed"):
+            self.error = None
+        return path
 
     # ---- the operator's actions (control.py): pause, resume, roll back ----
 
@@ -363,14 +386,22 @@ class Trainer:
 
     def unpause(self) -> None:  # not `resume`: that one loads the newest checkpoint
         self.paused = False
+        if self.error and self.error.startswith("training paused"):  # the operator says fixed
+            self.error = None
         self.writer.write({"kind": "resume", "step": self.step, "time": time.time()})
 
     def request_rollback(self, path: Path):
         """Ask the trainer thread to roll back to checkpoint PATH; a Future of its line."""
-        from concurrent.futures import Future
+        from concurrent.futures import Future, InvalidStateError
 
         future: Future = Future()
-        self._rollback_request = (Path(path), future)
+        with self._lock:
+            earlier, self._rollback_request = self._rollback_request, (Path(path), future)
+        if earlier is not None and not earlier[1].cancelled():  # not taken: this replaces it
+            try:
+                earlier[1].set_exception(RollbackSuperseded(f"a rollback to {path} replaced it"))
+            except InvalidStateError:  # withdrawn by its waiter (control.py) meanwhile
+                pass
         self.inbox.put(None)  # wakes _collect: an idle trainer does it at once
         return future
 
@@ -378,8 +409,10 @@ class Trainer:
         """Between batches, on the trainer thread: do a requested rollback; wait while paused
         (a batch collected meanwhile is trained after resume, not lost)."""
         while True:
-            request, self._rollback_request = self._rollback_request, None
-            if request is not None:
+            with self._lock:
+                request, self._rollback_request = self._rollback_request, None
+            # a request withdrawn by its waiter after its timeout (control.py) is dropped
+            if request is not None and request[1].set_running_or_notify_cancel():
                 path, future = request
                 try:
                     future.set_result(self.rollback(path))
@@ -395,6 +428,11 @@ class Trainer:
         version, and train on from it. It takes a step number of its own, saved at once: no
         checkpoint is overwritten, and a restart resumes from the rolled-back adapter."""
         adapter, opt_state, state = load_checkpoint(path)
+        problem = layout_mismatch(lora_weights(self.model), adapter, self.optimizer.state,
+                                  opt_state)
+        if problem:  # before anything changes: the request is refused, training goes on
+            raise ValueError(f"another model or LoRA layout than this one ({problem}); "
+                             "nothing was changed")
         self.model.update(tree_unflatten(list(adapter.items())))
         self.optimizer.state = opt_state
         mx.eval(self.model.parameters(), self.optimizer.state)
@@ -402,6 +440,8 @@ class Trainer:
         self.step += 1
         self.version += 1
         if self.engine is not None:
+            if getattr(self.engine, "prefix_cache", None) is not None:  # a new KV lineage
+                self.engine.prefix_cache.reset_lineage(self.version)
             self.engine.publish_adapter(lora_weights(self.model), self.version)
         line = {"kind": "rollback", "step": self.step, "adapter_version": self.version,
                 "checkpoint": str(path), "checkpoint_step": state["step"],
@@ -409,7 +449,7 @@ class Trainer:
                 "time": time.time()}
         self.writer.write(line)
         self.stats.update(steps=self.step)
-        self.save()
+        self.save(protect=path)  # the checkpoint rolled back to stays, to go back again
         log.info("rolled back to %s: now step %d, adapter version %d", path.name, self.step,
                  self.version)
         return line

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -218,3 +219,39 @@ def test_restart_resuming_a_served_adapter_keeps_its_window(changing, tmp_path):
             assert (job.cached_version, job.cached_tokens) == want
         finally:
             e.close()
+
+
+def test_a_rollback_starts_a_new_lineage(changing, tmp_path):
+    """Trainer.rollback publishes v+1 with an old checkpoint's weights: v+1 did not come from
+    the adapters served since, so their KV is not reused under it (nor the old one's: it is a
+    new lineage), while an ordinary step after the rollback links to it again."""
+    from rlproxy.checkpoints import save_checkpoint
+    from rlproxy.trainer import Trainer, training_copy
+
+    loaded, adapters = changing
+    rng = random.Random(6)
+    a = random_tokens(rng, 60)
+    e = Engines(loaded, tmp_path / "pc", kv_reuse_max_lag=4)
+    trainer = Trainer(make_settings(tmp_path, train=True), training_copy(loaded),
+                      loaded.lora_config, engine=e.engine, data_dir=tmp_path)
+    try:
+        checkpoint = save_checkpoint(trainer.checkpoints, 1, 1, adapters[3],
+                                     trainer.optimizer.state, loaded.lora_config, {}, 3)
+        for v in (1, 2):
+            publish(e.engine, adapters[v], v)
+            steps, _ = run(e, a)
+        prompt = a + [s.token.id for s in steps] + [7]
+        _, job = run(e, prompt)
+        assert job.cached_version == 1 and job.cached_tokens > 0  # lagged KV, in the window
+        trainer.version = 2
+        trainer.rollback(checkpoint)  # publishes v3 = adapters[3], a weight set never served
+        while e.engine.adapter_version != 3:
+            time.sleep(0.01)
+        assert [v for v, _ in e.cache._window] == [3]
+        _, job = run(e, prompt)
+        assert (job.cached_version, job.cached_tokens) == (None, 0)
+        publish(e.engine, changed_adapter(loaded.model, seed=9), 4)  # a step after it
+        assert [v for v, _ in e.cache._window] == [4, 3]
+    finally:
+        trainer.stop()
+        e.close()

@@ -90,14 +90,24 @@ def test_metrics_need_the_key_unless_public(keyed, tiny, tmp_path):
         assert requests.get(s.url + "/v1/models").status_code == 401
 
 
-def test_a_training_step_moves_the_trainer_metrics(tmp_path):
+def test_a_training_step_moves_the_trainer_metrics(keyed, tmp_path):
+    # the histograms are process-wide: let the other server finish scoring its turns first
+    deadline = time.monotonic() + 60
+    while value(scrape(keyed.url), "rlproxy_scoring_pending") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     with ServerThread(training_settings(tmp_path)) as s:
         before = scrape(s.url, headers={})
         assert value(before, "rlproxy_trainer_up") == 1
         run_sessions(s.url, 0, 1)
         wait_for_steps(s.url, 1)
         after = scrape(s.url, headers={})
+        # a rollback takes a step number of its own, but it is no optimizer step
+        assert requests.post(s.url + "/v1/adapters/1/serve").status_code == 200
+        rolled = scrape(s.url, headers={})
     assert value(after, "rlproxy_train_steps_total") == 1
+    assert value(rolled, "rlproxy_train_steps_total") == 1
+    assert value(rolled, "rlproxy_adapter_version") == 2
     assert value(after, "rlproxy_turns_trained_total") == 2
     assert value(after, "rlproxy_train_step_seconds_count") - value(
         before, "rlproxy_train_step_seconds_count") == 1
@@ -138,3 +148,43 @@ def test_json_log_lines_carry_session_turn_and_adapter_version(keyed):
     assert scored["session_id"] == "log-1" and len(scored["turn_uid"]) == 32
     assert scored["level"] == "INFO" and scored["logger"] == "rlproxy.scorer"
     assert isinstance(scored["adapter_version"], int)
+
+
+def test_log_format_json_in_the_config_file_is_applied(tmp_path):
+    """`rlproxy serve --config` with [server] log_format = "json": the log lines are JSON (the
+    app is built for real; only aiohttp's run_app is replaced by one log line)."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "rlproxy.toml"
+    config.write_text(f'[server]\nlog_format = "json"\n\n[records]\ndata_dir = "{tmp_path}"\n')
+    code = ("import logging, aiohttp.web as w\n"
+            "w.run_app = lambda app, **kw: logging.getLogger('rlproxy.t').warning('hello')\n"
+            "from rlproxy.cli import main\n"
+            f"main(['serve', '--config', {str(config)!r}])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLPROXY_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    line = [ln for ln in out.stderr.splitlines() if "hello" in ln][-1]
+    assert json.loads(line)["message"] == "hello"
+
+
+def test_a_client_that_hangs_up_is_counted_as_499_not_500(keyed):
+    before = scrape(keyed.url)
+    with requests.post(keyed.url + "/v1/chat/completions", headers=AUTH, stream=True, json={
+            "model": "m", "stream": True, "max_tokens": 2000, "temperature": 1.0,
+            "messages": [{"role": "user", "content": "Write a long story."}]}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first chunk, then hang up mid-stream
+    deadline = time.monotonic() + 30
+    while True:
+        after = scrape(keyed.url)
+        moved = lambda status: value(after, "rlproxy_requests_total", api="chat",  # noqa: E731
+                                     status=status) - value(before, "rlproxy_requests_total",
+                                                            api="chat", status=status)
+        if moved("499") or moved("500") or moved("200") or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert moved("499") == 1 and moved("500") == 0

@@ -332,3 +332,150 @@ def test_a_checkpoint_of_another_lora_layout_is_refused_not_loaded(own, tmp_path
             trainer.resume()
     finally:
         trainer.stop()
+
+
+def offline_trainer(own, tmp_path, **flags) -> Trainer:
+    return Trainer(make_settings(tmp_path, train=True, **flags), training_copy(own),
+                   own.lora_config, data_dir=tmp_path, vocab_size=own.vocab_size)
+
+
+def steps_of(tmp_path) -> list[tuple[int, list[str]]]:
+    return [(ln["step"], ln["uids"]) for ln in read_records(tmp_path, "training.jsonl")
+            if ln["kind"] == "step"]
+
+
+def test_a_failed_checkpoint_save_is_not_charged_to_the_turns(own, tmp_path):
+    """The update is applied and published before the save: a full disk (here: checkpoints/
+    is a file) costs the checkpoint, never a retrain or a quarantine."""
+    t = offline_trainer(own, tmp_path, batch_size=2, save_interval=1)
+    t.checkpoints = tmp_path / "not-a-dir"
+    t.checkpoints.write_text("")
+    lines = t.train_journaled([make_scored(own, "a", [5, 6, 7]), make_scored(own, "b", [8, 9])])
+    assert [ln["step"] for ln in lines] == [1] and steps_of(tmp_path) == [(1, ["a", "b"])]
+    assert (t.step, t.version, t.stats["save_errors"]) == (1, 1, 1)
+    assert "checkpoint save failed" in t.error
+    assert not t.journal.quarantined and not t.journal.failures
+    assert [(ln["kind"], ln.get("ok")) for ln in journal(tmp_path)] == [
+        ("step_start", None), ("step_end", True)]
+    t.stop()
+
+
+def test_a_later_epoch_failing_does_not_retrain_the_applied_update(own, tmp_path):
+    t = offline_trainer(own, tmp_path, batch_size=2, train_epochs=2, save_interval=1000)
+    real = t.train_step
+
+    def second_epoch_breaks(examples, epoch=0):
+        if epoch == 1:
+            raise RuntimeError("epoch 2 broke")
+        return real(examples, epoch)
+
+    t.train_step = second_epoch_breaks
+    t.train_journaled([make_scored(own, "a", [5, 6, 7]), make_scored(own, "b", [8, 9])])
+    assert steps_of(tmp_path) == [(1, ["a", "b"])] and t.step == 1
+    assert not t.journal.quarantined and {"a", "b"} <= t.trained
+    assert t.stats["errors_after_update"] == 1 and "epoch 2 broke" in t.error
+    t.stop()
+
+
+def test_a_retried_turn_advances_the_reward_baseline_once(own, tmp_path):
+    t = offline_trainer(own, tmp_path, batch_size=2, save_interval=1000)
+    bad = make_scored(own, "bad", [5, "six", 7])  # a malformed record: its step raises
+    t.train_journaled([make_scored(own, "a", [8, 9]), bad])
+    assert t.journal.quarantined.keys() == {"bad"} and steps_of(tmp_path) == [(1, ["a"])]
+    assert t.baseline_n == 2  # a and bad once each, though a was tried twice, bad three times
+    t.stop()
+
+
+def test_every_turn_failing_alike_pauses_training_instead_of_quarantining_all(own, tmp_path):
+    """A cause outside the turns (say, a model the loss does not support): after three
+    different turns fail in a row with one error type, training pauses with an error."""
+    t = offline_trainer(own, tmp_path, batch_size=1, save_interval=1000)
+
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("this model's layers are not supported")
+
+    t.loss_fn = unsupported
+    for uid in "abcd":
+        if not t.paused:
+            t.train_journaled([make_scored(own, uid, [5, 6, 7])])
+    assert t.paused and "training paused" in t.error and "NotImplementedError" in t.error
+    assert set(t.journal.quarantined) == {"a", "b"}  # c was not quarantined, d not tried
+    assert t.inbox.get_nowait()["turn"]["uid"] == "c"  # kept for after the resume
+    t.unpause()
+    assert t.error is None and not t.paused
+    t.stop()
+
+
+def test_an_update_for_a_waiting_turn_replaces_it_and_queued_is_pruned(own, tmp_path):
+    t = offline_trainer(own, tmp_path, batch_size=2, save_interval=1000, max_context_tokens=40)
+    t._running = True  # _collect as the trainer thread runs it
+    a, b = make_scored(own, "a", [5, 6, 7]), make_scored(own, "b", [8, 9])
+    t.submit(a)
+    t.submit(b)
+    t.submit({**a, "reward": 0.25, "update": True})  # feedback while a waits in the inbox
+    batch = t._collect()
+    assert [(s["turn"]["uid"], s["reward"]) for s in batch] == [("a", 0.25), ("b", 1.0)]
+    assert t.inbox.empty()
+    t.train_journaled(batch)
+    t._done(batch)
+    assert t.queued == set() and steps_of(tmp_path) == [(1, ["a", "b"])]
+
+    long = make_scored(own, "long", [5] * 60)  # over max_context_tokens: skipped
+    for _ in range(2):  # e.g. resubmitted by a restart: one `skipped` line, queued pruned
+        t.submit(long)
+        t.train_journaled([long])
+        t._done([long])
+    skipped = [ln for ln in read_records(tmp_path, "training.jsonl") if ln["kind"] == "skipped"]
+    assert [ln["uid"] for ln in skipped] == ["long"] and t.queued == set()
+    t.stop()
+
+
+def test_a_second_rollback_request_rejects_the_first(own, tmp_path):
+    from rlproxy.trainer import RollbackSuperseded
+
+    t = offline_trainer(own, tmp_path, save_interval=1000)
+    first = t.request_rollback(tmp_path / "one")
+    second = t.request_rollback(tmp_path / "two")
+    with pytest.raises(RollbackSuperseded):
+        first.result(timeout=1)
+    assert not second.done() and t._rollback_request[0] == tmp_path / "two"
+    t.stop()
+
+
+def test_the_default_memory_budget_leaves_room_for_the_loaded_weights(own, tmp_path):
+    """No train_memory_gb: 3/4 of physical memory less the weights (the KL reference model's
+    too) and the serving reserve, not half of physical memory whatever is loaded."""
+    from mlx.utils import tree_flatten
+
+    from rlproxy import chunked_grad
+
+    model = training_copy(own)
+    alone = Trainer(make_settings(tmp_path, train=True), model, own.lora_config,
+                    data_dir=tmp_path)
+    alone.stop()
+    ref = load_serving_model(ModelSettings()).model
+    with_ref = Trainer(make_settings(tmp_path, train=True), model, own.lora_config,
+                       data_dir=tmp_path, ref_model=ref)
+    with_ref.stop()
+    weights = sum(v.nbytes for _, v in tree_flatten(ref.parameters()))
+    free = chunked_grad.physical_memory_bytes() - chunked_grad.SERVING_RESERVE
+    assert alone.memory_budget == int(0.75 * (free - weights))  # the same base: counted once
+    assert alone.memory_budget - with_ref.memory_budget in range(int(0.75 * weights) - 1,
+                                                                 int(0.75 * weights) + 2)
+
+
+def test_the_step_estimate_covers_a_measured_kv_heavy_long_turn():
+    """Measured (/tmp/review9/mem.py 24576 none|full f32, NOTES_trainfix): one step on a 24k-token
+    turn of a 4-layer llama with 2 KV heads of dim 256 peaked at 1690 MB (none) and 1976 MB
+    (full) over the loaded model; the estimate without its runtime slack must not be below."""
+    from mlx_lm.models import llama
+
+    from rlproxy import chunked_grad
+
+    m = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-5,
+        vocab_size=512, tie_word_embeddings=False))
+    for mode, peak_mb in (("none", 1690), ("full", 1976)):
+        est = chunked_grad.estimate_step_bytes(chunked_grad.model_shape(m), 24576, 128, mode, 64)
+        assert est - chunked_grad.RUNTIME_SLACK >= peak_mb * 2**20, mode

@@ -19,7 +19,7 @@ import requests
 
 from conftest import ServerThread, make_settings, read_records
 from demo_agent import run_sessions, training_settings, wait_for_steps
-from rlproxy.appkeys import MODEL
+from rlproxy.appkeys import MODEL, SETTINGS, TRAINER
 from rlproxy.ui.index import RecordIndex
 
 KEY = "ui-key"
@@ -65,6 +65,27 @@ def test_the_index_reads_only_new_bytes_and_keeps_up_with_100k_turns(tmp_path):
     assert index.today()["turns"] == 100_001
 
 
+def test_the_index_rebuilds_when_a_file_is_truncated_or_rotated(tmp_path):
+    path, now = tmp_path / "conversations.jsonl", time.time()
+    path.write_bytes(b"".join(turn_line(f"old{i}", "s", i, now) for i in range(20)))
+    index = RecordIndex(tmp_path)
+    index.refresh()
+    # logrotate's copytruncate: same file, emptied, then a shorter new history
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(turn_line("a", "s", 0, now) + turn_line("b", "t", 0, now))
+    index.refresh()
+    assert [t["uid"] for t in index.session_turns("s")] == ["a"] and set(index.turns) == {"a", "b"}
+    # a rotation by rename: another inode, as long as the old file or longer
+    path.rename(tmp_path / "conversations.jsonl.1")
+    path.write_bytes(b"".join(turn_line(f"new{i}", "s", i, now) for i in range(30)))
+    index.refresh()
+    assert [t["uid"] for t in index.session_turns("s")] == [f"new{i}" for i in range(30)]
+    # rotated between a refresh and a read: stale offsets are skipped, never a JSON error
+    path.write_bytes(b"x" * 100_000)
+    assert index.session_turns("s") == []
+
+
 # ---- auth, on a server with a key (training off) ----
 
 @pytest.fixture(scope="module")
@@ -92,6 +113,14 @@ def test_the_dashboard_and_the_actions_need_the_key(keyed):
     assert browser.get(url + "/ui").status_code == 200
     assert browser.get(url + "/ui/api/overview").json()["trainer"] == {"enabled": False}
     assert browser.get(url + "/v1/models").status_code == 401  # the cookie is for /ui only
+    # the cookie alone does not make an action: a form on another port of this host sends it
+    for headers in ({}, {"Origin": "http://127.0.0.1:1"}, {"Sec-Fetch-Site": "same-site"}):
+        forged = browser.post(url + "/ui/api/training/pause", headers=headers)
+        assert forged.status_code == 403, headers
+        assert forged.json()["error"]["code"] == "cross_site_request"
+    for headers in ({"X-RLProxy-UI": "1"}, {"Origin": url}, {"Sec-Fetch-Site": "same-origin"}):
+        assert browser.post(url + "/ui/api/training/pause", headers=headers).status_code == 409
+    assert requests.post(url + "/ui/api/training/pause", headers=AUTH).status_code == 409
     # with the key: training is off here, and there is no checkpoint to serve
     assert requests.post(url + "/v1/training/pause", headers=AUTH).status_code == 409
     missing = requests.post(url + "/v1/adapters/7/serve", headers=AUTH)
@@ -100,6 +129,69 @@ def test_the_dashboard_and_the_actions_need_the_key(keyed):
     assert requests.get(url + "/ui/api/sessions/nope", headers=AUTH).status_code == 404
     assert requests.get(url + "/ui/api/sessions/nope?start=x", headers=AUTH).status_code == 400
     assert requests.get(url + "/ui/api/adapters/3.zip", headers=AUTH).status_code == 404
+
+
+def test_a_long_session_opens_on_its_latest_turns_and_pages_back(keyed):
+    data = keyed.app[SETTINGS].records.data_dir
+    with open(data / "conversations.jsonl", "ab") as f:
+        f.writelines(turn_line(f"long{i}", "long", i, time.time()) for i in range(250))
+    get = lambda q="": requests.get(keyed.url + "/ui/api/sessions/long" + q, headers=AUTH).json()
+    latest = get()
+    assert latest["recorded_turns"] == 250 and latest["start"] == 150 and latest["page"] == 100
+    assert [t["uid"] for t in latest["turns"]] == [f"long{i}" for i in range(150, 250)]
+    assert [t["uid"] for t in get("?start=50")["turns"]] == [f"long{i}" for i in range(50, 150)]
+    assert requests.get(keyed.url + "/ui/api/sessions/long?start=-1",
+                        headers=AUTH).status_code == 400
+    js = (Path(__file__).resolve().parent.parent / "rlproxy" / "ui" / "static" / "app.js")
+    assert "?start=" in js.read_text()  # the page asks for the other pages
+
+
+def test_damaged_checkpoints_are_left_out_of_the_list(keyed):
+    root = keyed.app[SETTINGS].records.data_dir / "checkpoints"
+    for name, state in (("step_000005", b"{not json"), ("step_000006", b'{"step": 6}')):
+        (root / name).mkdir(parents=True)
+        (root / name / "trainer_state.json").write_bytes(state)
+    try:
+        r = requests.get(keyed.url + "/ui/api/adapters", headers=AUTH)
+        assert r.status_code == 200 and r.json()["checkpoints"] == []
+        # complete-looking but its adapter is gone (pruned mid-request): 404, not 500
+        zipped = requests.get(keyed.url + "/ui/api/adapters/5.zip", headers=AUTH)
+        assert zipped.status_code == 404 and zipped.json()["error"]["code"] == \
+            "checkpoint_not_found"
+    finally:
+        shutil.rmtree(root)
+
+
+def test_status_says_one_line_when_the_server_is_not_rlproxy(tmp_path, capsys):
+    import argparse
+    import http.server
+    import socket
+    import threading
+
+    from rlproxy.status import status_cmd
+
+    class NotJson(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>some other server</html>")
+
+        def log_message(self, *a):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), NotJson)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{other.server_port}"
+        assert status_cmd(argparse.Namespace(url=url, api_key=None)) == 1
+    finally:
+        other.shutdown()
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert status_cmd(argparse.Namespace(url=closed, api_key=None)) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "did not answer JSON" in err[0] and "cannot reach" in err[1]
 
 
 def test_pages_insert_recorded_text_as_text_only():
@@ -201,8 +293,9 @@ def test_rollback_with_training_off_publishes_to_the_engine(trained, tmp_path):
     with ServerThread(make_settings(tmp_path)) as s:
         assert requests.get(s.url + "/healthz").json()["adapter_version"] == 0
         r = requests.post(s.url + "/v1/adapters/2/serve")
-        assert r.status_code == 200 and r.json()["adapter_version"] == 1
-        assert requests.get(s.url + "/healthz").json()["adapter_version"] == 1
+        # above every version recorded: the checkpoint itself names version 2
+        assert r.status_code == 200 and r.json()["adapter_version"] == 3
+        assert requests.get(s.url + "/healthz").json()["adapter_version"] == 3
         served = greedy(s, tmp_path)
         assert served["completion_ids"] == fresh_greedy(
             s.app[MODEL].source, tmp_path / "checkpoints" / "step_000002", served["prompt_ids"],
@@ -212,8 +305,45 @@ def test_rollback_with_training_off_publishes_to_the_engine(trained, tmp_path):
         (broken / "adapters.safetensors").write_bytes(b"not safetensors")
         r = requests.post(s.url + "/v1/adapters/9/serve")
         assert r.status_code == 409 and r.json()["error"]["code"] == "checkpoint_unusable"
-        assert requests.get(s.url + "/healthz").json()["adapter_version"] == 1
+        assert requests.get(s.url + "/healthz").json()["adapter_version"] == 3
+        another_layout(tmp_path / "checkpoints" / "step_000002",
+                       tmp_path / "checkpoints" / "step_000008", 8)
+        r = requests.post(s.url + "/v1/adapters/8/serve")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "checkpoint_unusable"
+        assert requests.get(s.url + "/healthz").json()["adapter_version"] == 3
     assert read_records(tmp_path, "training.jsonl")[-1]["kind"] == "rollback"
+    # restarted (the engine starts at version 0 again): a new rollback takes a version never
+    # recorded before, so training.jsonl and the turns' adapter_versions stay unambiguous
+    with ServerThread(make_settings(tmp_path)) as s:
+        r = requests.post(s.url + "/v1/adapters/2/serve")
+        assert r.status_code == 200 and r.json()["adapter_version"] == 4
+
+
+def another_layout(src: Path, dst: Path, step: int) -> Path:
+    """A complete checkpoint whose LoRA has half the rank (MLX would load it without a word)."""
+    shutil.copytree(src, dst)
+    weights = mx.load(str(dst / "adapters.safetensors"))
+    halved = {k: v[:, : v.shape[1] // 2] if k.endswith("lora_a") else
+              v[: v.shape[0] // 2] if k.endswith("lora_b") else v for k, v in weights.items()}
+    mx.save_safetensors(str(dst / "adapters.safetensors"), halved)
+    state = orjson.loads((dst / "trainer_state.json").read_bytes())
+    (dst / "trainer_state.json").write_bytes(orjson.dumps({**state, "step": step}))
+    return dst
+
+
+def test_a_checkpoint_of_another_lora_layout_is_refused_and_nothing_changes(trained):
+    url, root = trained.url, trained.data_dir / "checkpoints"
+    bad = another_layout(root / "step_000002", root / "step_000099", 99)
+    try:
+        before = requests.get(url + "/healthz").json()
+        r = requests.post(url + "/v1/adapters/99/serve")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "checkpoint_unusable"
+        after = requests.get(url + "/healthz").json()
+        assert after["adapter_version"] == before["adapter_version"]
+        assert after["trainer"]["step"] == before["trainer"]["step"] and after["status"] == "ok"
+        greedy(trained, trained.data_dir)  # still serving
+    finally:
+        shutil.rmtree(bad)
 
 
 def test_the_dashboard_in_a_real_browser(trained, tmp_path):
@@ -298,3 +428,35 @@ def test_progress_bars_draw_only_on_a_terminal(monkeypatch):
     for _ in progress.bar(range(3), desc="steps"):
         pass
     assert "steps: 100%" in term.getvalue() and "3/3" in term.getvalue()
+
+
+def test_a_rollback_that_times_out_is_withdrawn_and_the_trainer_lives(trained, monkeypatch):
+    from rlproxy import control
+
+    monkeypatch.setattr(control, "ROLLBACK_TIMEOUT_S", 0.0)  # the trainer is never in time
+    for _ in range(3):
+        before = requests.get(trained.url + "/healthz").json()["adapter_version"]
+        r = requests.post(trained.url + "/v1/adapters/2/serve")
+        time.sleep(0.5)  # the trainer had it in its inbox: it must drop it, not apply it
+        health = requests.get(trained.url + "/healthz").json()
+        if r.status_code == 503:  # withdrawn (almost always)
+            assert "nothing changed" in r.json()["error"]["message"]
+            assert health["adapter_version"] == before
+        else:  # the trainer took it in the microseconds before the withdrawal: answered
+            assert r.status_code == 200 and health["adapter_version"] == before + 1
+        assert trained.app[TRAINER].alive and not health["trainer"].get("error")
+    monkeypatch.setattr(control, "ROLLBACK_TIMEOUT_S", 300.0)
+    assert requests.post(trained.url + "/v1/adapters/2/serve").status_code == 200
+
+
+def test_a_rollback_keeps_the_checkpoint_it_rolled_back_to(trained):
+    """Last in this module: it prunes the trained server's older checkpoints."""
+    root, trainer = trained.data_dir / "checkpoints", trained.app[TRAINER]
+    trainer.t.keep_checkpoints = 1
+    try:
+        r = requests.post(trained.url + "/v1/adapters/1/serve")
+        assert r.status_code == 200, r.text
+    finally:
+        trainer.t.keep_checkpoints = 50
+    kept = sorted(p.name for p in root.glob("step_*"))
+    assert kept == ["step_000001", f"step_{r.json()['step']:06d}"]

@@ -56,8 +56,12 @@ class RecordIndex:
 
     def __init__(self, data_dir: Path):
         self.data_dir = Path(data_dir)
-        self.offsets: dict[str, int] = {}
         self.lock = threading.Lock()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.offsets: dict[str, int] = {}
+        self.inodes: dict[str, int] = {}
         self.turns: dict[str, TurnEntry] = {}
         self.sessions: dict[str, SessionEntry] = {}
         self.scores: dict[str, tuple[int, int, float | None]] = {}  # uid -> offset, len, reward
@@ -73,17 +77,33 @@ class RecordIndex:
 
     def refresh(self) -> None:
         with self.lock:
+            if any(self._replaced(name) for name in (CONVERSATIONS, SCORES, TRAINING)):
+                self._clear()  # truncated or rotated: every offset we hold may be stale
             self._read_new(CONVERSATIONS, self._on_turn)
             self._read_new(SCORES, self._on_score)
             self._read_new(TRAINING, self._on_training)
+
+    def _replaced(self, name: str) -> bool:
+        """Whether NAME shrank or is another file than the one indexed (logrotate's
+        copytruncate, a hand-made rotation, a restore from a backup)."""
+        if name not in self.offsets:
+            return False
+        try:
+            st = (self.data_dir / name).stat()
+        except FileNotFoundError:
+            return True
+        return st.st_size < self.offsets[name] or st.st_ino != self.inodes.get(name)
 
     def _read_new(self, name: str, handle) -> None:
         path = self.data_dir / name
         start = self.offsets.get(name, 0)
         try:
-            if path.stat().st_size <= start:
-                return
+            st = path.stat()
         except FileNotFoundError:
+            return
+        self.inodes[name] = st.st_ino
+        if st.st_size <= start:
+            self.offsets[name] = start
             return
         with open(path, "rb") as f:
             f.seek(start)
@@ -150,10 +170,16 @@ class RecordIndex:
 
     # ---- reading whole lines back ----
 
-    def _line(self, name: str, offset: int, length: int) -> dict:
-        with open(self.data_dir / name, "rb") as f:
-            f.seek(offset)
-            return orjson.loads(f.read(length))
+    def _line(self, name: str, offset: int, length: int) -> dict | None:
+        """The record at OFFSET, or None when the file changed under us since the last
+        refresh (rotated between refresh and read): the next refresh rebuilds the index."""
+        try:
+            with open(self.data_dir / name, "rb") as f:
+                f.seek(offset)
+                record = orjson.loads(f.read(length))
+        except (OSError, orjson.JSONDecodeError):
+            return None
+        return record if isinstance(record, dict) else None
 
     def session_turns(self, session_id: str, start: int = 0, limit: int = 100) -> list[dict]:
         """Full records of one session's turns [start, start + limit), each with its score."""
@@ -164,6 +190,8 @@ class RecordIndex:
             for uid in uids:
                 e = self.turns[uid]
                 record = self._line(CONVERSATIONS, e.offset, e.length)
+                if record is None or record.get("uid") != uid:
+                    continue
                 score = self.scores.get(uid)
                 record["score"] = self._line(SCORES, *score[:2]) if score else None
                 record["release"] = self.releases.get(uid)

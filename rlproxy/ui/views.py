@@ -10,6 +10,7 @@ control.py's handlers, mounted here a second time for the pages' cookie auth).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import io
 import json
 import time
@@ -32,6 +33,7 @@ COOKIE = "rlproxy_api_key"
 SAMPLE_S = 2.0
 KEEP_SAMPLES = 900  # 30 minutes at SAMPLE_S
 TTFT_WINDOW_S = 60.0
+SESSION_PAGE = 100  # turns on one session page
 TEXT_LIMIT = 4000  # characters of one message shown; the records keep all of it
 
 
@@ -113,7 +115,7 @@ async def login(request: web.Request) -> web.Response:
     key = request.app[SETTINGS].server.api_key
     if request.method == "POST":
         given = (await request.post()).get("key", "")
-        if key is None or given == key:
+        if key is None or hmac.compare_digest(str(given).encode(), key.encode()):
             resp = web.HTTPFound("/ui")
             if key is not None:
                 resp.set_cookie(COOKIE, key, httponly=True, samesite="Strict", path="/ui")
@@ -209,44 +211,50 @@ def turn_view(r: dict) -> dict:
 async def session_detail(request: web.Request) -> web.Response:
     app, sid = request.app, request.match_info["session_id"]
     index = await refreshed(app)
-    try:
-        start = int(request.query.get("start", 0))
+    with index.lock:
+        total = len(index.sessions[sid].turns) if sid in index.sessions else 0
+    try:  # no start: the latest page, the one a person watching a live session wants
+        start = int(request.query.get("start", max(0, total - SESSION_PAGE)))
     except ValueError:
         raise APIError(400, "start must be an integer", param="start") from None
+    if start < 0:
+        raise APIError(400, "start must be 0 or more", param="start")
     loop = asyncio.get_running_loop()
-    records = await loop.run_in_executor(None, index.session_turns, sid, start, 100)
+    records = await loop.run_in_executor(None, index.session_turns, sid, start, SESSION_PAGE)
     turns = [turn_view(r) for r in records]
     live = app[SESSIONS].find(sid)
     seen = {t["uid"] for t in turns}
     waiting = []
-    if live is not None:  # turns still waiting for their next state live only in memory
+    if live is not None and start + SESSION_PAGE >= total:  # last page: + the in-memory turns
         waiting = [{"uid": t.uid, "index": t.index, "turn_type": t.turn_type,
                     "reply": shorten(t.choices[t.chosen_choice]["text"]),
                     "tool_calls": t.choices[t.chosen_choice]["tool_calls"],
                     "prompt_tail": [message_view(m) for m in t.messages[-2:]],
                     "next_state": None, "end": "waiting for the next request"}
                    for t in live.pending() if t.uid not in seen]
-    with index.lock:
-        total = len(index.sessions[sid].turns) if sid in index.sessions else 0
     if not turns and not waiting and live is None:
         raise APIError(404, f"no session {sid!r} in the records", param="session_id",
                        code="session_not_found")
     return json_response({"id": sid, "open": live is not None and live.closed is None,
                           "closed": live.closed if live else None, "recorded_turns": total,
-                          "start": start, "turns": turns, "waiting": waiting})
+                          "start": start, "page": SESSION_PAGE, "turns": turns,
+                          "waiting": waiting})
 
 
 def checkpoint_rows(app: web.Application, steps: list[dict]) -> list[dict]:
     rows = []
     for path in complete_checkpoints(control.checkpoint_dir(app)):
-        state = json.loads((path / "trainer_state.json").read_text())
-        step = state["step"]
+        try:
+            state = json.loads((path / "trainer_state.json").read_text())
+            step, version = int(state["step"]), state["adapter_version"]
+            saved, size = path.stat().st_mtime, (path / "adapters.safetensors").stat().st_size
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # pruned while we read, or a damaged state file: not a row to offer
         near = [s for s in steps if s.get("step") is not None and step - 5 < s["step"] <= step]
         rewards = [s["reward_mean"] for s in near if s.get("reward_mean") is not None]
         losses = [s["loss"] for s in near if s.get("loss") is not None]
-        rows.append({"step": step, "adapter_version": state["adapter_version"],
-                     "time": path.stat().st_mtime, "name": path.name,
-                     "bytes": (path / "adapters.safetensors").stat().st_size,
+        rows.append({"step": step, "adapter_version": version, "time": saved,
+                     "name": path.name, "bytes": size,
                      "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                      "loss_mean": sum(losses) / len(losses) if losses else None,
                      "window": [near[0]["step"], near[-1]["step"]] if near else None})
@@ -274,7 +282,11 @@ async def download(request: web.Request) -> web.Response:
                 z.write(path / name, f"{path.name}/{name}")
         return buf.getvalue()
 
-    body = await asyncio.get_running_loop().run_in_executor(None, pack)
+    try:
+        body = await asyncio.get_running_loop().run_in_executor(None, pack)
+    except FileNotFoundError:  # pruned by --keep-checkpoints between the lookup and the read
+        raise APIError(404, f"checkpoint {path.name} was removed meanwhile", param="step",
+                       code="checkpoint_not_found") from None
     return web.Response(body=body, content_type="application/zip", headers={
         "Content-Disposition": f'attachment; filename="rlproxy-adapter-{path.name}.zip"'})
 

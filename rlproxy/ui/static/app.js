@@ -26,7 +26,9 @@ function svg(tag, attrs) {
 }
 
 async function api(path, options) {
-  const r = await fetch(path, Object.assign({credentials: "same-origin"}, options || {}));
+  // the custom header marks the request as the dashboard's own (the server's CSRF check)
+  const r = await fetch(path, Object.assign(
+    {credentials: "same-origin", headers: {"X-RLProxy-UI": "1"}}, options || {}));
   if (r.status === 401) { location.href = "/ui/login"; throw new Error("not signed in"); }
   const body = await r.json();
   if (!r.ok) throw new Error((body.error && body.error.message) || r.statusText);
@@ -193,12 +195,27 @@ function turnCard(t) {
     el("div", {class: "label"}, "trained"), el("div", {class: "trained"}, trained));
 }
 
-async function session(id) {
-  const d = await api("/ui/api/sessions/" + encodeURIComponent(id));
+function pager(d) {
+  // start undefined: the latest page (the server's default)
+  const link = (start, text) => el("a", {href: "#/session/" + encodeURIComponent(d.id) +
+    (start === undefined ? "" : "/" + start)}, text);
+  const last = d.start + d.page >= d.recorded_turns;
+  return el("p", {class: "pager"},
+    `turns ${d.turns.length ? d.start + 1 : 0}–${d.start + d.turns.length} of ${d.recorded_turns} `,
+    d.start > 0 ? link(0, "« first") : null, " ",
+    d.start > 0 ? link(Math.max(0, d.start - d.page), "‹ earlier") : null, " ",
+    last ? null : link(d.start + d.page, "later ›"), " ",
+    last ? null : link(undefined, "latest »"));
+}
+
+async function session(id, start) {
+  const d = await api("/ui/api/sessions/" + encodeURIComponent(id) +
+                      (start === undefined ? "" : "?start=" + start));
   return el("div", {},
     el("h2", {}, `Session ${d.id} · ${d.open ? "open" : "closed" + (d.closed ? " (" + d.closed + ")" : "")}` +
       ` · ${d.recorded_turns} recorded turns`),
-    ...d.turns.map(turnCard), ...d.waiting.map(turnCard));
+    pager(d), ...d.turns.map(turnCard), ...d.waiting.map(turnCard),
+    d.turns.length > 10 ? pager(d) : null);
 }
 
 async function act(path) {
@@ -241,7 +258,8 @@ async function route() {
   const hash = location.hash || "#/";
   let page, every = 5000;
   if (hash.startsWith("#/session/")) {
-    page = () => session(decodeURIComponent(hash.slice("#/session/".length)));
+    const [id, start] = hash.slice("#/session/".length).split("/");  // the id is encoded
+    page = () => session(decodeURIComponent(id), start === undefined ? undefined : Number(start));
   } else if (hash === "#/sessions") page = sessions;
   else if (hash === "#/adapters") page = adapters;
   else { page = overview; every = 3000; }
