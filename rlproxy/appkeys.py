@@ -1,6 +1,5 @@
 """Typed keys for the long-lived objects the aiohttp app holds (one place, no import cycles)."""
 
-import asyncio
 from collections import deque
 
 import diskcache
@@ -19,8 +18,7 @@ SETTINGS = web.AppKey("settings", Settings)
 MODEL = web.AppKey("model", LoadedModel)
 ENGINE = web.AppKey("engine", Engine)
 SESSIONS = web.AppKey("sessions", SessionStore)
-SCORER = web.AppKey("scorer", Scorer)  # finished main turns go here to be scored
-TRAINING = web.AppKey("training", asyncio.Queue)  # scored turns released for training
+SCORER = web.AppKey("scorer", Scorer)  # finished main turns go here; it hands them to TRAINER
 STARTED = web.AppKey("started", float)
 TRAINER = web.AppKey("trainer", Trainer)  # absent with --no-train
 RESPONSES = web.AppKey("responses", diskcache.Cache)  # stored Responses (api/response_store.py)

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from rlproxy.appkeys import (
-    ENGINE, METRICS, MODEL, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER, TRAINING,
+    ENGINE, METRICS, MODEL, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER,
 )
 from rlproxy.blas import blas_in_use
 from rlproxy.progress import phase
@@ -263,6 +263,10 @@ def trainer_context(settings: Settings):
         trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref,
                           vocab_size=loaded.vocab_size)
         trainer.resume()
+        # The scorer hands each released turn straight to the trainer (thread-safe submit). Set
+        # before anything below awaits, so the scorer's task has released nothing yet; without a
+        # trainer (--no-train) released turns go nowhere and nothing holds on to them.
+        app[SCORER].on_released = trainer.submit
         s = settings.scoring
         # released before a restart but not trained yet: train them now (the trainer has
         # read its journal: quarantined turns stay out, a crashed step's turns come back alone)
@@ -272,14 +276,8 @@ def trainer_context(settings: Settings):
             trainer.submit(scored)
         trainer.start()
         app[TRAINER] = trainer
-
-        async def forward():
-            while True:
-                trainer.submit(await app[TRAINING].get())
-
-        task = asyncio.create_task(forward())
         yield
-        task.cancel()
+        app[SCORER].on_released = lambda scored: None
         await loop.run_in_executor(None, trainer.stop)
 
     return ctx
@@ -304,10 +302,9 @@ def scoring_context(settings: Settings):
                                  s.judge_timeout_s, s.judge_retries, teacher_url=s.teacher_url)
         judge = remote if s.judge_url else local
         teacher = remote if s.teacher_url else local
-        training: asyncio.Queue = asyncio.Queue()
         scorer = Scorer(s, settings.records.data_dir, judge, teacher, model.tokenizer,
-                        fsync=settings.records.fsync, on_released=training.put_nowait)
-        app[SCORER], app[TRAINING] = scorer, training
+                        fsync=settings.records.fsync)
+        app[SCORER] = scorer
         task = asyncio.create_task(scorer.run())
         yield
         task.cancel()

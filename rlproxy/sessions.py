@@ -11,7 +11,6 @@ threads.py. Knows nothing of HTTP or MLX; callers pass in parsed messages and th
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -20,82 +19,11 @@ from pathlib import Path
 from typing import Callable
 
 from rlproxy import threads as rules
-from rlproxy.protocol import APIError
+from rlproxy.api.tags import TurnTags
 from rlproxy.records import (
     CONVERSATIONS, PENDING, JsonlWriter, compact_pending, load_pending, read_jsonl,
 )
 from rlproxy.threads import prefix_hashes, turn_heads
-
-SESSION_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
-TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-
-
-@dataclass
-class TurnTags:
-    session_id: str | None = None
-    turn_type: str = "main"
-    session_done: bool = False
-    turn_id: str | None = None
-    step_index: int | None = None
-    request_id: str | None = None
-    opt_out: bool = False
-    explicit_type: bool = False  # X-Turn-Type (or turn_type) was given: no rule overrides it
-
-
-def _flag(name: str, raw) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    value = str(raw).strip().lower()
-    if value in TRUE:
-        return True
-    if value in FALSE:
-        return False
-    raise APIError(400, f"{name} must be one of 1, true, yes, on (or 0, false, no, off), "
-                   f"not {raw!r}", param=name)
-
-
-def parse_turn_tags(headers, req) -> TurnTags:
-    """Headers first, then the body fallbacks (`session_id`, `turn_type`, `session_done`)."""
-    def header(*names):
-        for n in names:
-            if n in headers:
-                return headers[n]
-        return None
-
-    tags = TurnTags()
-    sid = header("X-Session-Id") or req.session_id
-    if sid is not None:
-        if not SESSION_ID.match(sid):
-            raise APIError(400, "X-Session-Id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -",
-                           param="X-Session-Id")
-        tags.session_id = sid
-    turn_type = header("X-Turn-Type") or req.turn_type
-    tags.explicit_type = turn_type is not None
-    turn_type = turn_type or "main"
-    if turn_type.strip().lower() not in ("main", "side"):
-        raise APIError(400, f"X-Turn-Type must be 'main' or 'side', not {turn_type!r}",
-                       param="X-Turn-Type")
-    tags.turn_type = turn_type.strip().lower()
-    done = header("X-Session-Done")
-    if done is None:
-        done = req.session_done
-    tags.session_done = False if done is None else _flag("X-Session-Done", done)
-    tags.turn_id = header("X-Turn-Id", "X-Hermes-Outer-Turn-Id")
-    step = header("X-Step-Index", "X-Hermes-Step-Index")
-    if step is not None:
-        if not step.strip().isdigit():
-            raise APIError(400, f"X-Step-Index must be a non-negative integer, not {step!r}",
-                           param="X-Step-Index")
-        tags.step_index = int(step)
-    for name, value in (("X-Turn-Id", tags.turn_id),
-                        ("X-Request-Id", header("X-Request-Id", "X-Hermes-Request-Id"))):
-        if value is not None and not (0 < len(value) <= 256 and value.isprintable()):
-            raise APIError(400, f"{name} must be 1-256 printable characters", param=name)
-    tags.request_id = header("X-Request-Id", "X-Hermes-Request-Id")
-    opt_out = header("X-RL-Opt-Out")
-    tags.opt_out = False if opt_out is None else _flag("X-RL-Opt-Out", opt_out)
-    return tags
-
 
 @dataclass
 class Turn:

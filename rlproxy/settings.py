@@ -16,6 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
+from rlproxy.losses import LOSSES  # noqa: E402  (one list of loss names)
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -36,6 +39,15 @@ class ServerSettings(Section):
     log_format: Literal["text", "json"] = Field(
         "text", description="json: one JSON object per log line, with session id, turn uid and "
         "adapter version where known")
+    max_queued_requests: int = Field(
+        64, ge=1, description="generation requests in flight or waiting at once; past it a "
+        "request gets 429 with Retry-After")
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, description="a request body not fully received within this many seconds "
+        "is a 408")
+    max_json_depth: int = Field(
+        64, ge=8, le=200, description="deepest nesting of arrays/objects accepted in a JSON "
+        "body (tool schemas, tool-call arguments); deeper is a 400")
 
 
 class ModelSettings(Section):
@@ -46,14 +58,8 @@ class ModelSettings(Section):
     lora_scale: float = Field(20.0, gt=0)
     lora_layers: int = Field(-1, description="LoRA on the last N blocks; -1 means all")
     lora_keys: list[str] | None = None  # None: every linear layer of each block (mlx-lm's default)
-    quantize_bits: int | None = Field(None, description="QLoRA: quantize the frozen base")
-
-    @field_validator("quantize_bits")
-    @classmethod
-    def _qbits(cls, v):
-        if v is not None and v not in (4, 8):
-            raise ValueError(f"quantize_bits must be 4 or 8 (or unset), not {v}")
-        return v
+    quantize_bits: Literal[4, 8] | None = Field(
+        None, description="QLoRA: quantize the frozen base to 4 or 8 bits (slower on CPU)")
 
     @field_validator("embedded_size")
     @classmethod
@@ -84,19 +90,12 @@ class CacheSettings(Section):
     prefix_cache_disk_limit_gb: float = Field(4.0, gt=0)
     prefix_cache_memory_mb: float = Field(512.0, ge=0)
     prefix_block_tokens: int = Field(256, ge=16, description="prefix hashes cover whole blocks")
-    kv_bits: int | None = Field(None, description="quantize the KV cache to 4 or 8 bits")
+    kv_bits: Literal[4, 8] | None = Field(None, description="quantize stored KV to 4 or 8 bits")
     kv_group_size: int = Field(64, ge=16)
     quantized_kv_start: int = Field(0, ge=0)
     kv_reuse_max_lag: int = Field(
         4, ge=0, le=64, description="reuse prefix KV computed under an adapter up to this many "
         "versions older than the one served (0: only the served adapter's own KV)")
-
-    @field_validator("kv_bits")
-    @classmethod
-    def _bits(cls, v):
-        if v is not None and v not in (4, 8):
-            raise ValueError(f"kv_bits must be 4 or 8 (or unset), not {v}")
-        return v
 
 
 PRM_PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prm_prompts"
@@ -124,6 +123,12 @@ class ScoringSettings(Section):
     judge_concurrency: int = Field(4, ge=1)
     judge_yield_ms: float = Field(
         20.0, ge=0, description="local judge: pause per token while live requests decode")
+    reward_timeout_s: float = Field(
+        10.0, gt=0, description="a reward function still running after this many seconds is "
+        "recorded as failed (it runs on a worker thread, never on the event loop)")
+    score_all_choices: bool = Field(
+        False, description="with n > 1, the judge scores every choice against the same next "
+        "state (reward functions always score every choice)")
 
     @field_validator("reward_functions")
     @classmethod
@@ -136,7 +141,7 @@ class ScoringSettings(Section):
 
 class TrainerSettings(Section):
     train: bool = True  # False (--no-train): serve, record and score, never update the adapter
-    loss_fn: Literal["ppo", "importance_sampling", "cispo", "dro", "cross_entropy"] = "ppo"
+    loss_fn: Literal[LOSSES] = "ppo"
     eps_low: float = Field(0.2, ge=0, le=1)
     eps_high: float = Field(0.28, ge=0)
     dro_beta: float = Field(0.1, ge=0)
@@ -158,7 +163,34 @@ class TrainerSettings(Section):
         "this many GB (default: 3/4 of physical memory less the loaded weights, serving and KL "
         "reference, and a 2 GB serving reserve); raise it to train longer turns")
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm (0: off)")
-    baseline: Literal["none", "mean"] = "mean"
+    baseline: Literal["group", "group-std", "mean", "none"] = Field(
+        "mean", description="advantage baseline: group (r - mean of the request's scored "
+        "choices), group-std (also divided by their std), mean (running mean of rewards), none; "
+        "a group of 2 or more scored choices always uses its group baseline")
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 over this many steps")
+    lr_min: float = Field(0.0, ge=0, description="floor of the cosine/linear decay")
+    lr_decay_steps: int = Field(
+        1000, ge=1, description="steps over which cosine/linear decay to lr_min (after warmup)")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="entropy bonus over completion tokens (0: off)")
+    eval_every: int = Field(
+        0, ge=0, description="evaluate the candidate adapter every N steps before publishing "
+        "it; a worse one is rolled back (0: off)")
+    eval_prompts: Path | None = Field(
+        None, description="extra probe prompts for the eval gate: JSONL of {messages, tools?}")
+    eval_probes: int = Field(8, ge=1, description="probe prompts per evaluation")
+    eval_max_tokens: int = Field(32, ge=1, description="tokens sampled per probe")
+    eval_tolerance: float = Field(
+        0.1, ge=0, description="publish only if the probe reward is at most this much below "
+        "the served adapter's")
+    max_kl: float | None = Field(
+        None, gt=0, description="publish only if KL to the base and to the served adapter "
+        "stays under this (unset: no bound)")
+    rollback_lr_factor: float = Field(
+        0.5, gt=0, le=1, description="multiply the learning rate by this at each rollback")
+    max_rollbacks: int = Field(
+        3, ge=1, description="rollbacks in a row that pause training")
     save_interval: int = Field(10, ge=1)
     keep_checkpoints: int = Field(3, ge=1)
     resume: bool = True
@@ -181,6 +213,23 @@ class RecordSettings(Section):
 class SessionSettings(Section):
     session_idle_timeout_s: float = Field(
         1800.0, gt=0, description="close a session after this long without a request")
+    max_open_sessions: int = Field(
+        4096, ge=1, description="open sessions kept at once; past it the longest idle is closed")
+    train_sessions_matching: str | None = Field(
+        None, description="train only sessions whose id matches this regex (X-RL-Train: 1|0 "
+        "decides per request and wins)")
+
+    @field_validator("train_sessions_matching")
+    @classmethod
+    def _regex(cls, v):
+        if v is not None:
+            import re
+
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"train_sessions_matching is not a valid regex: {e}") from None
+        return v
 
 
 class Settings(Section):

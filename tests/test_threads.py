@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 from rlproxy.appkeys import MODEL, SCORER
 from rlproxy.completions import ChoiceText, prompt_opens_reasoning, reasoning_markers
 from rlproxy.embedded_model import embedded_model_path
-from rlproxy.sessions import SessionStore, Turn, TurnTags
+from rlproxy.api.tags import TurnTags
+from rlproxy.sessions import SessionStore, Turn
 from rlproxy.threads import system_key
 
 from conftest import TOOL_PROMPT, TOOLS, ServerThread, make_settings, read_records

@@ -16,7 +16,7 @@ from rlproxy import protocol
 from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept, serve_turn
 from rlproxy.completions import EngineFailure
 from rlproxy.protocol import APIError
-from rlproxy.sessions import parse_turn_tags
+from rlproxy.api.tags import parse_turn_tags
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -23,7 +23,7 @@ from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept,
 from rlproxy.appkeys import MODEL
 from rlproxy.completions import EngineFailure, build_prompt
 from rlproxy.protocol import APIError
-from rlproxy.sessions import parse_turn_tags
+from rlproxy.api.tags import parse_turn_tags
 
 PING_INTERVAL_S = 5.0  # a long prompt's prefill takes minutes here; keep the line alive
 

@@ -24,7 +24,7 @@ from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept,
 from rlproxy.appkeys import RESPONSES
 from rlproxy.completions import ChoiceEvent, ChoiceRecord, EngineFailure
 from rlproxy.protocol import APIError
-from rlproxy.sessions import parse_turn_tags
+from rlproxy.api.tags import parse_turn_tags
 
 
 def new_id(prefix: str) -> str:

@@ -30,7 +30,8 @@ from rlproxy.completions import ChoiceEvent, ChoiceRecord, EngineFailure, Genera
     build_prompt, sampling_params
 from rlproxy.engine import SamplingParams
 from rlproxy.protocol import APIError, ChatRequest
-from rlproxy.sessions import Placement, Session, Turn, TurnTags
+from rlproxy.api.tags import TurnTags
+from rlproxy.sessions import Placement, Session, Turn
 
 LOGPROB_DEFINITION = ("log_softmax(logits) at temperature 1, after logit_bias and penalties, "
                       "before temperature and top_p")
