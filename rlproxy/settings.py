@@ -179,6 +179,9 @@ class TrainerSettings(Section):
         "it; a worse one is rolled back (0: off)")
     eval_prompts: Path | None = Field(
         None, description="extra probe prompts for the eval gate: JSONL of {messages, tools?}")
+    eval_reward_functions: list[str] = Field(
+        [], description="module:function rewards the eval gate scores probes with, held back "
+        "from training (default: the scoring reward functions)")
     eval_probes: int = Field(8, ge=1, description="probe prompts per evaluation")
     eval_max_tokens: int = Field(32, ge=1, description="tokens sampled per probe")
     eval_tolerance: float = Field(

@@ -26,6 +26,7 @@ class TurnTags:
     request_id: str | None = None
     opt_out: bool = False
     explicit_type: bool = False  # X-Turn-Type (or turn_type) was given: no rule overrides it
+    train: bool | None = None  # X-RL-Train: 1|0 decides whether a main turn trains (None: rules)
 
 
 def _flag(name: str, raw) -> bool:
@@ -80,4 +81,6 @@ def parse_turn_tags(headers, req) -> TurnTags:
     tags.request_id = header("X-Request-Id", "X-Hermes-Request-Id")
     opt_out = header("X-RL-Opt-Out")
     tags.opt_out = False if opt_out is None else _flag("X-RL-Opt-Out", opt_out)
+    train = header("X-RL-Train")
+    tags.train = None if train is None else _flag("X-RL-Train", train)
     return tags
