@@ -3,27 +3,36 @@
 Owns the session protocol (headers and body fallbacks), the open sessions and their threads in
 memory, linking a turn to its next state (every message its thread's next request adds after the
 turn's assistant message), closing threads (compaction) and sessions (done header, end call,
-idle timeout), and handing each finished turn to the record files and to the training queue. A
-turn whose response completed is journaled before the response's last bytes go out, so a crash
-loses no acknowledged turn. The matching and side/compaction rules are pure functions in
-threads.py. Knows nothing of HTTP or MLX; callers pass in parsed messages and the exact ids.
+idle timeout, eviction past `max_open_sessions`), whether a main turn trains (X-RL-Train,
+`train_sessions_matching`), and handing each finished turn to the record files and to the
+scorer. A turn whose response completed is journaled before the response's last bytes go out
+(`complete` returns the future the caller awaits), so a crash loses no acknowledged turn; every
+other line is queued for the records' writer thread, so the event loop never waits on the disk.
+The matching and side/compaction rules are pure functions in threads.py. Knows nothing of HTTP
+or MLX; callers pass in parsed messages and the exact ids.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import re
 import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
 from rlproxy import threads as rules
 from rlproxy.api.tags import TurnTags
 from rlproxy.records import (
-    CONVERSATIONS, PENDING, JsonlWriter, compact_pending, load_pending, read_jsonl,
+    CONVERSATIONS, PENDING, JsonlWriter, all_written, compact_pending, load_pending, read_jsonl,
 )
 from rlproxy.threads import prefix_hashes, turn_heads
+
+log = logging.getLogger("rlproxy.sessions")
 
 @dataclass
 class Turn:
@@ -49,13 +58,17 @@ class Turn:
     api: str = "chat"  # the front door it came through: chat | responses | messages
     thread: str | None = None  # the thread of its session it belongs to (set by complete())
     side_rule: str | None = None  # why it is a side turn: header | probe | aside (threads.py)
+    no_train: str | None = None  # why a main turn does not train: header (X-RL-Train: 0) |
+    # train_sessions_matching (its session id does not match)
 
     @property
     def trainable(self) -> bool:
-        return self.turn_type == "main"
+        return self.turn_type == "main" and self.no_train is None
 
     def record(self) -> dict:
-        return {"kind": "turn", **asdict(self), "trainable": self.trainable}
+        # Shallow (asdict deep-copies 15k-token id lists): nothing changes a filed turn's lists.
+        return {"kind": "turn", **{f.name: getattr(self, f.name) for f in fields(self)},
+                "trainable": self.trainable}
 
     def summary(self) -> dict:
         c = self.choices[self.chosen_choice]
@@ -131,33 +144,44 @@ class Placement:
     side_rule: str | None
     opened: bool  # this request opened the thread
     explicit: bool  # the type came from X-Turn-Type: no rule may change it
+    no_train: str | None = None  # a main turn here does not train, and why (Turn.no_train)
 
 
 MAX_OPEN_THREADS = 64  # per session; beyond it the least recently active idle one is closed
+KEEP_CLOSED_IDS = 65536  # closed sessions whose numbering a reopen continues (oldest forgotten)
 
 
 class SessionStore:
     def __init__(self, data_dir: Path, idle_timeout_s: float, fsync: bool = True,
                  on_trainable: Callable[[dict], None] | None = None,
-                 keep_closed: int = 200, keep_responses: int = 1024):
+                 on_closed: Callable[[str], None] | None = None,
+                 keep_closed: int = 200, keep_responses: int = 1024,
+                 max_open_sessions: int = 4096, train_sessions_matching: str | None = None):
         self.data_dir = Path(data_dir)
         self.idle_timeout_s = idle_timeout_s
+        self.max_open_sessions = max_open_sessions
+        self.train_pattern = re.compile(train_sessions_matching) \
+            if train_sessions_matching is not None else None
         self.on_trainable = on_trainable or (lambda record: None)
-        self.open: dict[str, Session] = {}
+        self.on_closed = on_closed or (lambda session_id: None)  # after its last turn is filed
+        self.open: OrderedDict[str, Session] = OrderedDict()  # least recently active first
         self.closed: deque[Session] = deque(maxlen=keep_closed)
+        self.stats = {"idle_closed": 0, "evicted": 0}
         self._threads: dict[str, Thread] = {}  # open threads of open sessions, by id
         self._inferred_heads: dict[str, Thread] = {}  # header-less matching across sessions
-        self._responses: OrderedDict[str, object] = OrderedDict()
+        self._responses: OrderedDict[str, object] = OrderedDict()  # X-Request-Id -> kept
+        self._running: dict[str, asyncio.Future] = {}  # X-Request-Id -> its attempt running
         self._keep_responses = keep_responses
         # A kill between a turn's record line and its tombstone leaves it in both files: the
         # record wins. Explicit session ids also continue their turn numbering across restarts.
         recorded: set[str] = set()
-        self._next_index: dict[str, int] = {}  # closed sessions: the index their next turn gets
-        self._was_inferred: set[str] = set()  # closed inferred sessions (a chain may reopen one)
+        # closed sessions: (the index their next turn gets, inferred: a chain may reopen one)
+        self._reopen: OrderedDict[str, tuple[int, bool]] = OrderedDict()
         for r in read_jsonl(self.data_dir / CONVERSATIONS):
             recorded.add(r.get("uid"))
             sid = r.get("session_id")
-            self._next_index[sid] = max(self._next_index.get(sid, 0), r.get("index", 0) + 1)
+            nxt = max(self._reopen.pop(sid, (0, False))[0], r.get("index", 0) + 1)
+            self._remember_closed(sid, nxt, False)
         self.conversations = JsonlWriter(self.data_dir / CONVERSATIONS, fsync=fsync)
         pending = [e for e in load_pending(self.data_dir / PENDING) if e["uid"] not in recorded]
         compact_pending(self.data_dir / PENDING, pending)
@@ -183,10 +207,8 @@ class SessionStore:
         if tags.session_id is not None:
             session = self.open.get(tags.session_id)
             if session is None:  # new, or reopened (after a restart or a close): numbering goes on
-                session = Session(tags.session_id, inferred=tags.session_id in self._was_inferred,
-                                  turn_count=self._next_index.pop(tags.session_id, 0))
-                self._was_inferred.discard(tags.session_id)
-                self.open[session.id] = session
+                nxt, inferred = self._reopen.pop(tags.session_id, (0, False))
+                session = self._add(Session(tags.session_id, inferred=inferred, turn_count=nxt))
             thread = hinted or self._match(session.heads, hashes)
         elif hinted is not None:
             session, thread = self.open[hinted.session_id], hinted
@@ -194,9 +216,8 @@ class SessionStore:
             thread = self._match(self._inferred_heads, hashes)
             session = self.open[thread.session_id] if thread else None
             if session is None:
-                session = Session(f"auto-{uuid.uuid4().hex[:16]}", inferred=True)
-                self.open[session.id] = session
-        session.last_active = time.time()
+                session = self._add(Session(f"auto-{uuid.uuid4().hex[:16]}", inferred=True))
+        self._touch(session)
         turn_type, why = self._turn_type(tags, session, messages, tools, max_tokens)
         rewritten, compacted = False, None
         if thread is None and turn_type == "main" and not session.inferred:
@@ -213,7 +234,38 @@ class SessionStore:
             thread.main, thread.prompt_len = True, len(messages)
             if thread.pending is not None:
                 self._link(session, thread, messages, hashes, by_prefix=not rewritten)
-        return Placement(session, thread, turn_type, why, opened, tags.explicit_type)
+        return Placement(session, thread, turn_type, why, opened, tags.explicit_type,
+                         self._no_train(tags, session.id) if turn_type == "main" else None)
+
+    def _no_train(self, tags: TurnTags, session_id: str) -> str | None:
+        """Why a main turn of this request does not train (None: it does). The header wins."""
+        if tags.train is not None:
+            return None if tags.train else "header"
+        if self.train_pattern is not None and not self.train_pattern.search(session_id):
+            return "train_sessions_matching"
+        return None
+
+    def _add(self, session: Session) -> Session:
+        """Open a session; past `max_open_sessions` the longest idle one is closed first."""
+        while len(self.open) >= self.max_open_sessions:
+            oldest = next(iter(self.open))
+            self._close(oldest, "evicted")
+            self.stats["evicted"] += 1
+            log.debug("session %s evicted (%d open sessions at most)", oldest,
+                      self.max_open_sessions)
+        self.open[session.id] = session
+        return session
+
+    def _touch(self, session: Session) -> None:
+        session.last_active = time.time()
+        if self.open.get(session.id) is session:
+            self.open.move_to_end(session.id)
+
+    def _remember_closed(self, session_id: str, next_index: int, inferred: bool) -> None:
+        self._reopen[session_id] = (next_index, inferred)
+        self._reopen.move_to_end(session_id)
+        while len(self._reopen) > KEEP_CLOSED_IDS:
+            self._reopen.popitem(last=False)
 
     @staticmethod
     def _match(heads: dict[str, Thread], hashes: list[str]) -> Thread | None:
@@ -283,11 +335,14 @@ class SessionStore:
 
     # ---- turns ----
 
-    def complete(self, place: Placement, turn: Turn, session_done: bool) -> None:
-        """A response finished: file it in its thread, journaled (main) or recorded (side),
-        before the client is told. Sets the turn's thread and its final type."""
+    def complete(self, place: Placement, turn: Turn, session_done: bool) -> Future:
+        """A response finished: file it in its thread, journaled (main) or recorded (side).
+        Sets the turn's thread and its final type. Returns a future done once the turn, and
+        every line this request's resolve and complete queued, is on disk: the caller waits
+        for it before the client is told."""
         session, thread = place.session, place.thread
         turn.thread, turn.turn_type, turn.side_rule = thread.id, place.turn_type, place.side_rule
+        turn.no_train = place.no_train
         if place.opened and not place.explicit and turn.turn_type == "main":
             # A call opened beside a tool-using thread that started after it (an agent's
             # concurrent title call): the aside rule can only be checked now.
@@ -296,13 +351,15 @@ class SessionStore:
             if why:
                 turn.turn_type, turn.side_rule = "side", why
                 thread.main = thread.pending is not None
-        now = time.time()
+        if turn.turn_type != "main":
+            turn.no_train = None
         session.turn_count = max(session.turn_count, turn.index + 1)
-        session.last_active = thread.last_active = now
+        self._touch(session)
+        thread.last_active = session.last_active
         thread.turns += 1
         thread.last_turn = turn.uid
         if turn.turn_type == "side":
-            self.conversations.write(turn.record())
+            self.conversations.write_nowait(turn.record())
             session.turns.append(turn.summary())
             if not thread.main:  # a side thread continues from its last turn only
                 self._unindex(session, thread)
@@ -317,12 +374,21 @@ class SessionStore:
                 # conversation did not continue through this request, so it has no next state.
                 thread.pending.end = "superseded"
                 self._finish(session, thread, thread.pending)
-            self.journal.write({**turn.record(), "inferred": session.inferred})
-            thread.pending = turn
-            self._unindex(session, thread)
-            self._index(session, thread, turn)
-        if session_done:
-            self.end(session.id, "session_done")
+            if session_done:  # its last turn: recorded at once, no journal entry needed
+                turn.end = "session_done"
+                self._finish(session, thread, turn)
+            else:
+                self.journal.write_nowait({**turn.record(), "inferred": session.inferred})
+                thread.pending = turn
+                self._unindex(session, thread)
+                self._index(session, thread, turn)
+        if session_done and self.open.get(session.id) is session:  # not evicted meanwhile
+            self._close(session.id, "session_done")
+        return self.flushed()
+
+    def flushed(self) -> Future:
+        """Done once every line queued so far is on disk."""
+        return all_written(self.conversations.flushed(), self.journal.flushed())
 
     def next_index(self, session: Session) -> int:
         session.turn_count += 1
@@ -343,15 +409,26 @@ class SessionStore:
                 del self._inferred_heads[h]
         thread.heads.clear()
 
-    def _finish(self, session: Session, thread: Thread, turn: Turn) -> None:
+    def _finish(self, session: Session, thread: Thread, turn: Turn) -> Future:
+        """Record a turn whose next state is known (or never will be); the future of its line."""
         record = turn.record()
-        self.conversations.write(record)
-        self.journal.write({"kind": "done", "uid": turn.uid})
+        written = self.conversations.write_nowait(record)
         if thread.pending is turn:
             thread.pending = None
+            # The tombstone goes out only once the record line is on disk: a crash in between
+            # leaves the turn pending, and the restart records it (or finds it recorded).
+            uid = turn.uid
+            written.add_done_callback(lambda f: f.exception() is None and self._journal_done(uid))
         session.turns.append(turn.summary())
         if turn.trainable:
             self.on_trainable(record)
+        return written
+
+    def _journal_done(self, uid: str) -> None:
+        try:
+            self.journal.write_nowait({"kind": "done", "uid": uid})
+        except RuntimeError:  # closed meanwhile (shutdown): the restart finds it recorded
+            pass
 
     def _close_thread(self, session: Session, thread: Thread, reason: str) -> None:
         if thread.pending is not None:
@@ -363,7 +440,12 @@ class SessionStore:
 
     # ---- closing ----
 
-    def end(self, session_id: str, reason: str) -> bool:
+    def end(self, session_id: str, reason: str) -> Future | None:
+        """Close an open session (None: there is none). The future is done once its records
+        are on disk: an end call answers after it."""
+        return self.flushed() if self._close(session_id, reason) else None
+
+    def _close(self, session_id: str, reason: str) -> bool:
         session = self.open.pop(session_id, None)
         if session is None:
             return False
@@ -372,17 +454,25 @@ class SessionStore:
                 self._close_thread(session, thread, reason)
         session.closed = reason
         self.closed.append(session)
-        self._next_index[session_id] = session.turn_count
-        if session.inferred:
-            self._was_inferred.add(session_id)
+        self._remember_closed(session_id, session.turn_count, session.inferred)
+        self.on_closed(session_id)
         return True
 
-    def sweep_idle(self, now: float | None = None) -> list[str]:
+    def sweep_idle(self, now: float | None = None, budget_s: float | None = None) -> list[str]:
+        """Close idle sessions, longest idle first; with `budget_s`, stop once that much time
+        is spent (call again for the rest). Returns the ids closed."""
         now = time.time() if now is None else now
-        idle = [s.id for s in self.open.values() if now - s.last_active > self.idle_timeout_s]
-        for sid in idle:
-            self.end(sid, "idle_timeout")
-        return idle
+        start, closed = time.perf_counter(), []
+        while self.open:
+            session = next(iter(self.open.values()))
+            if now - session.last_active <= self.idle_timeout_s:
+                break
+            self._close(session.id, "idle_timeout")
+            closed.append(session.id)
+            if budget_s is not None and time.perf_counter() - start >= budget_s:
+                break
+        self.stats["idle_closed"] += len(closed)
+        return closed
 
     def find(self, session_id: str) -> Session | None:
         return self.open.get(session_id) or next(
@@ -410,27 +500,35 @@ class SessionStore:
     # ---- idempotency (X-Request-Id) ----
 
     def stored_response(self, request_id: str):
-        return self._responses.get(request_id)
+        """The kept response; the future of the attempt still running; or None."""
+        return self._running.get(request_id) or self._responses.get(request_id)
 
-    def store_response(self, request_id: str, response) -> None:
-        self._responses[request_id] = response
-        self._responses.move_to_end(request_id)
-        while len(self._responses) > self._keep_responses:
-            self._responses.popitem(last=False)
+    def start_response(self, request_id: str) -> asyncio.Future:
+        """This attempt runs: a repeat waits on the future until `finish_response`."""
+        running = self._running[request_id] = asyncio.get_running_loop().create_future()
+        return running
 
-    def forget_response(self, request_id: str) -> None:
-        self._responses.pop(request_id, None)
+    def finish_response(self, request_id: str, kept) -> None:
+        """The attempt ended: keep its response, or None (it failed: a repeat runs anew)."""
+        running = self._running.pop(request_id, None)
+        if kept is not None:
+            self._responses[request_id] = kept
+            self._responses.move_to_end(request_id)
+            while len(self._responses) > self._keep_responses:
+                self._responses.popitem(last=False)
+        if running is not None and not running.done():
+            running.set_result(kept)
 
     # ---- restart ----
 
     def _restore(self, entry: dict) -> None:
         """A journaled turn still waiting for its next state: its session and thread reopen."""
-        fields = {k: v for k, v in entry.items() if k in Turn.__dataclass_fields__}
-        turn = Turn(**fields)
+        turn = Turn(**{k: v for k, v in entry.items() if k in Turn.__dataclass_fields__})
         session = self.open.get(turn.session_id)
         if session is None:
-            session = Session(turn.session_id, inferred=entry.get("inferred", False))
-            self.open[session.id] = session
+            nxt, _ = self._reopen.pop(turn.session_id, (0, False))
+            session = self._add(Session(turn.session_id, inferred=entry.get("inferred", False),
+                                        turn_count=nxt))
         session.turn_count = max(session.turn_count, turn.index + 1)
         thread = session.threads.get(turn.thread) if turn.thread else None
         if thread is None:
@@ -448,3 +546,18 @@ class SessionStore:
         thread.last_turn = turn.uid
         self._unindex(session, thread)
         self._index(session, thread, turn)
+
+
+async def sweep_idle_forever(store: SessionStore, slice_s: float = 0.005) -> None:
+    """Close idle sessions every few seconds, in slices of at most `slice_s` of work each, so
+    closing thousands at once never holds the event loop (requests run between slices)."""
+    while True:
+        await asyncio.sleep(min(5.0, store.idle_timeout_s / 4))
+        closed = 0
+        while batch := store.sweep_idle(budget_s=slice_s):
+            closed += len(batch)
+            for sid in batch:
+                log.debug("session %s closed after %.0f s idle", sid, store.idle_timeout_s)
+            await asyncio.sleep(0)
+        if closed:
+            log.info("closed %d session(s) idle for %.0f s", closed, store.idle_timeout_s)

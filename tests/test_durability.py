@@ -9,7 +9,9 @@ the kill may or may not have been journaled; nothing is required of it.
 
 The server runs as a real subprocess (`python -m rlproxy.cli serve`) so that SIGKILL hits it
 exactly as it would in production. A second test aims the kill at the narrowest window, between a
-turn's record line and its journal tombstone, which random kills hit only now and then.
+turn's record line and its journal tombstone, which random kills hit only now and then. The last
+ones slow every fsync down (in-process server) to show a reply waits for its journal line while
+the event loop does not.
 """
 
 from __future__ import annotations
@@ -34,17 +36,17 @@ KILL_AFTER = 20  # acknowledged turns, over all sessions, before the SIGKILL
 MAX_TOKENS = 8
 REPO = Path(__file__).resolve().parents[1]
 SERVE = ["-m", "rlproxy.cli"]
-# `rlproxy serve`, killed by SIGKILL right after a turn's record line is written and before its
-# "done" tombstone reaches the pending-turn journal.
+# `rlproxy serve`, killed by SIGKILL right after a turn's record line is on disk (the tombstone
+# is queued only then) and before its "done" tombstone reaches the pending-turn journal.
 SERVE_DYING_BEFORE_TOMBSTONE = ["-c", """
 import os, signal, sys
 from rlproxy import records
-write = records.JsonlWriter.write
+write_nowait = records.JsonlWriter.write_nowait
 def write_or_die(self, record):
     if record.get("kind") == "done":
         os.kill(os.getpid(), signal.SIGKILL)
-    write(self, record)
-records.JsonlWriter.write = write_or_die
+    return write_nowait(self, record)
+records.JsonlWriter.write_nowait = write_or_die
 from rlproxy.cli import main
 sys.exit(main())
 """]
@@ -321,3 +323,56 @@ def test_kill_between_record_line_and_tombstone_records_the_turn_once(tmp_path):
     finally:
         for p in procs:
             stop(p)
+
+
+# ---- durable before acknowledged, without the event loop waiting on the disk ----
+
+@pytest.fixture(scope="module")
+def inproc(tiny, tmp_path_factory):
+    from conftest import ServerThread, make_settings
+
+    with ServerThread(make_settings(tmp_path_factory.mktemp("data")), tiny) as s:
+        yield s
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
+def test_reply_waits_for_its_journal_line_but_the_loop_does_not(inproc, monkeypatch, stream):
+    """With a slow disk (1 s per fsync), a reply's last bytes come only after its turn's
+    journal line was fsynced, and /healthz answers meanwhile (the fsync runs on the writer
+    thread)."""
+    real, durable_at = os.fsync, {}
+    sid = f"slow-disk-{stream}"
+    journal = Path(inproc.settings.records.data_dir) / "pending_turns.jsonl"
+
+    def slow_fsync(fd):
+        time.sleep(1.0)
+        real(fd)
+        if sid.encode() in journal.read_bytes():
+            durable_at.setdefault(sid, time.monotonic())
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "stream": stream}
+    answered, health = {}, []
+
+    def ask():
+        r = requests.post(inproc.base_url + "/chat/completions", json=body, timeout=60,
+                          headers={"X-Session-Id": sid}, stream=stream)
+        content = r.content  # all of it: the stream up to [DONE], or the whole body
+        answered["at"] = time.monotonic()
+        answered["ok"] = r.status_code == 200 and (not stream or b"data: [DONE]" in content)
+
+    client = threading.Thread(target=ask)
+    client.start()
+    while client.is_alive():
+        requests.get(inproc.url + "/healthz", timeout=30)
+        health.append(time.monotonic())  # when it was answered
+        time.sleep(0.02)
+    client.join()
+    assert answered["ok"]
+    assert sid in durable_at and durable_at[sid] <= answered["at"]
+    # /healthz answered while the journal line's fsync ran (edges left out); the old way
+    # (the fsync on the loop) answered none in that second. Counted, not timed: a loaded
+    # machine slows every answer.
+    during = [t for t in health if durable_at[sid] - 0.9 < t < durable_at[sid] - 0.1]
+    assert len(during) >= 3, f"{len(during)} /healthz answered during a 1 s fsync"

@@ -9,11 +9,19 @@ import mlx.core as mx
 import pytest
 import requests
 
-from rlproxy.appkeys import SCORER
+from rlproxy.appkeys import SCORER, SESSIONS
 
 from conftest import TOOL_PROMPT, TOOLS, ServerThread, make_settings, read_records
 
 TOOL_RESULT = {"role": "tool", "tool_call_id": "", "content": '{"temperature": 21}'}
+
+
+def end_session(server, sid: str) -> requests.Response:
+    """POST /v1/sessions/{sid}/end; returns once the session's records are on disk (the store
+    writes them on its writer threads)."""
+    r = requests.post(f"{server.base_url}/sessions/{sid}/end")
+    server.app[SESSIONS].flushed().result(timeout=30)
+    return r
 
 
 def assistant_message(choice) -> dict:
@@ -96,7 +104,7 @@ def test_tool_use_session_with_headers(taught_server):
 def test_same_conversation_without_headers_links_the_same(taught_server):
     added, ids = run_tool_session(taught_server, lambda step: {})
     assert len(set(ids)) == 1 and ids[0].startswith("auto-")  # one inferred session
-    r = requests.post(f"{taught_server.base_url}/sessions/{ids[0]}/end")
+    r = end_session(taught_server, ids[0])
     assert r.status_code == 200
     turns = turns_of(taught_server.settings.records.data_dir, ids[0])
     check_links(turns, added)
@@ -127,7 +135,7 @@ def test_request_id_retry_returns_stored_response(fresh):
     one = requests.post(fresh.base_url + "/chat/completions", json=body, headers=h).content
     two = requests.post(fresh.base_url + "/chat/completions", json=body, headers=h).content
     assert one == two and b"[DONE]" in one
-    requests.post(fresh.base_url + "/sessions/idem/end")
+    end_session(fresh, "idem")
     records = read_records(fresh.settings.records.data_dir)
     assert sorted(r["request_id"] for r in records) == ["req-1", "req-2"]  # no turn twice
 
@@ -141,7 +149,7 @@ def test_side_turns_are_recorded_but_never_queued_for_training(fresh):
                                                      "X-Turn-Type": turn_type})
         msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
                        {"role": "user", "content": f"more {turn_type}"}]
-    requests.post(fresh.base_url + "/sessions/s-side/end")
+    end_session(fresh, "s-side")
     records = read_records(fresh.settings.records.data_dir)
     assert sorted(r["turn_type"] for r in records) == ["main", "main", "side", "side"]
     assert all(r["trainable"] == (r["turn_type"] == "main") for r in records)
@@ -174,6 +182,7 @@ def test_idle_timeout_closes_session(tiny, tmp_path):
                 break
             time.sleep(0.1)
         assert info["closed"] == "idle_timeout"
+        s.app[SESSIONS].flushed().result(timeout=30)
         (record,) = read_records(tmp_path)
         assert record["next_state"] is None and record["end"] == "idle_timeout"
         assert requests.get(s.url + "/healthz").json()["sessions_open"] == 0
@@ -256,7 +265,7 @@ def test_recorded_tokens_reproduce_logprobs_and_text(tiny, tmp_path):
             returned.append([ch.message.content for ch in r.choices])
             msgs = msgs + [{"role": "assistant", "content": r.choices[0].message.content},
                            {"role": "user", "content": "again"}]
-        requests.post(s.base_url + "/sessions/fidelity/end")
+        end_session(s, "fidelity")
     records = sorted(read_records(tmp_path), key=lambda r: r["index"])
     assert len(records) == 3
     tok = tiny.tokenizer

@@ -13,7 +13,7 @@ import requests
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from transformers import AutoTokenizer
 
-from rlproxy.appkeys import MODEL, SCORER
+from rlproxy.appkeys import MODEL, SCORER, SESSIONS
 from rlproxy.completions import ChoiceText, prompt_opens_reasoning, reasoning_markers
 from rlproxy.embedded_model import embedded_model_path
 from rlproxy.api.tags import TurnTags
@@ -25,6 +25,14 @@ from conftest import TOOL_PROMPT, TOOLS, ServerThread, make_settings, read_recor
 # ---- ChoiceText: reasoning split from content, token by token, with the real tokenizer ----
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def end_session(server, sid: str) -> requests.Response:
+    """POST /v1/sessions/{sid}/end; returns once the session's records are on disk (the store
+    writes them on its writer threads)."""
+    r = requests.post(f"{server.base_url}/sessions/{sid}/end")
+    server.app[SESSIONS].flushed().result(timeout=30)
+    return r
 
 
 def run_text(tok, text, *, tools=False, stop=None, reasoning=True, in_reasoning=False):
@@ -109,7 +117,7 @@ def file_turn(store, place, messages, reply, tools=None):
                           "adapter_versions": [0], "finish_reason": "stop", "text": reply,
                           "tool_calls": []}],
                 sampling={}, timings={})
-    store.complete(place, turn, False)
+    store.complete(place, turn, False).result()  # on disk, as before a reply
     return turn
 
 
@@ -142,6 +150,7 @@ def test_threads_survive_a_restart(tmp_path):
     more_b = b + [{"role": "assistant", "content": "on B"}, {"role": "user", "content": "B2"}]
     place = store.resolve(TurnTags(session_id="s"), more_b, TOOLS)
     assert place.thread.id == tb.thread and not place.opened
+    store.flushed().result()
     session = store.find("s").summary(with_turns=True)
     assert {t["id"] for t in session["threads"]} == {ta.thread, tb.thread}
     linked = [r for r in read_records(tmp_path) if r["uid"] == tb.uid]
@@ -317,7 +326,7 @@ def test_opencode_pattern(taught_server, title_first):
     added.append(after(m2, "Thanks, that is all."))
     real_call(messages + [m2] + added[1])
     info = requests.get(f"{taught_server.base_url}/sessions/{sid}").json()
-    assert requests.post(f"{taught_server.base_url}/sessions/{sid}/end").status_code == 200
+    assert end_session(taught_server, sid).status_code == 200
 
     records = session_records(taught_server, sid)
     (side,) = check_side(taught_server, records, ["aside"])
@@ -374,7 +383,7 @@ def test_claude_code_pattern(taught_server):
     call([{"role": "system", "content": CC_SUMMARY},
           {"role": "user", "content": "Summarize: " + summary}], tools=None)
     info = requests.get(f"{taught_server.base_url}/sessions/{sid}").json()
-    requests.post(f"{taught_server.base_url}/sessions/{sid}/end")
+    end_session(taught_server, sid)
 
     records = session_records(taught_server, sid)
     check_side(taught_server, records, ["probe", "aside", "aside"])
@@ -410,7 +419,7 @@ def test_turn_type_header_overrides_the_rules(fresh):
             call([{"role": "user", "content": "ping"}], "main", max_tokens=1),  # probe: main
             call([{"role": "user", "content": "ping"}], max_tokens=1),
             call(msgs, "side", tools=TOOLS)]  # a tool-using call said to be side
-    requests.post(fresh.base_url + f"/sessions/{sid}/end")
+    end_session(fresh, sid)
     by_uid = {r["uid"]: r for r in read_records(fresh.settings.records.data_dir)}
     got = [(by_uid[u]["turn_type"], by_uid[u]["side_rule"]) for u in uids]
     assert got == [("main", None), ("main", None), ("main", None), ("side", "probe"),
@@ -450,7 +459,7 @@ def test_max_tokens_is_clamped_to_the_context(short_context, tmp_path):
         with pytest.raises(openai_error(400)) as e:
             c.chat.completions.create(model="m", messages=too_long, max_tokens=5)
         assert e.value.code == "context_length_exceeded"
-        requests.post(s.base_url + "/sessions/clamp/end")
+        end_session(s, "clamp")
         records = read_records(tmp_path) + read_records(tmp_path, "pending_turns.jsonl")
     by_api = {r["api"]: r for r in records if r.get("kind") == "turn"}
     assert set(by_api) == {"chat", "responses", "messages"}
@@ -488,7 +497,7 @@ def test_reasoning_content_from_the_server(thinking_model, tmp_path, parser):
                   logit_bias=no_eos(s), extra_headers={"X-Session-Id": "think"})
         full = c.chat.completions.create(**kw)
         chunks = list(c.chat.completions.create(stream=True, seed=1, **kw))
-        requests.post(s.base_url + "/sessions/think/end")
+        end_session(s, "think")
         records = read_records(tmp_path)
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     streamed = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)

@@ -1,11 +1,18 @@
 """The one path every API dialect takes: from an internal chat request to a filed turn.
 
-Order of work: replay a stored response for a repeated X-Request-Id -> template the prompt ->
+Order of work: claim the X-Request-Id (before any await, so a concurrent repeat waits for this
+attempt instead of running its own) or replay the response kept for it -> template the prompt ->
 token budget -> resolve the session (which links the session's previous turn to its next
 state) -> generate -> the dialect writes its response from `Generation.events()` and calls
 `Call.file_turn()` (journal the finished turn) before the response's last bytes -> cancel what
-a gone client left running -> keep (or forget) the response for idempotent retries. A request
-that opted out (X-RL-Opt-Out) is served and never filed.
+a gone client left running -> keep the response for a repeat, or, when the attempt failed, let
+exactly one waiting repeat run anew. A request that opted out (X-RL-Opt-Out) is served and never
+filed.
+
+Durable before acknowledged: the turn's journal line is written by the records' writer thread;
+the response's bytes after `file_turn` wait for it (a streamed response through `open_sse`'s
+response, a whole body in `serve_turn`), so no client hears of a turn a crash could lose, and
+the event loop never waits on the disk.
 
 Owns nothing about any dialect's shapes: a dialect passes in `write` (its response from a
 `Call`) and `replay` (a stored response sent again; `replay_kept` does it given the dialect's
@@ -35,6 +42,8 @@ from rlproxy.sessions import Placement, Session, Turn
 
 LOGPROB_DEFINITION = ("log_softmax(logits) at temperature 1, after logit_bias and penalties, "
                       "before temperature and top_p")
+# the future of the request's filed turn (Call.file_turn): response bytes after it wait for it
+DURABLE = web.RequestKey("turn_durable", asyncio.Future)
 
 
 def json_response(data, status: int = 200, headers=None) -> web.Response:
@@ -60,6 +69,8 @@ class Call:
     place: Placement | None  # session, thread, turn type; None when it opted out of recording
     headers: dict[str, str] = field(default_factory=dict)  # response headers (X-Session-Id ...)
     turn: Turn | None = None  # set by file_turn
+    durable: asyncio.Future | None = None  # set by file_turn: done once the turn is on disk
+    kept_body: dict | None = None  # the body file_turn was given, for a repeat (serve_turn)
 
     @property
     def session(self) -> Session | None:
@@ -74,12 +85,18 @@ class Call:
                                      self.gen.records[ev.index])
             yield ev
 
-    def file_turn(self) -> None:
-        """Journal the finished turn; a writer calls it before the response's last bytes."""
+    def file_turn(self, body: dict | None = None) -> asyncio.Future:
+        """File the finished turn; a writer calls it before the response's last bytes, and may
+        `await` what it returns (done once the turn is on disk; the response waits for it in
+        any case). `body`: the response's body, kept for a repeat of its X-Request-Id should
+        the response not reach its client after this."""
+        self.kept_body = body
         if self.session is None:
-            return
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
         req, gen, store = self.req, self.gen, self.request.app[SESSIONS]
-        self.turn = Turn(
+        turn = Turn(
             uid=uuid.uuid4().hex, session_id=self.session.id,
             index=store.next_index(self.session), turn_type=self.place.turn_type,
             requested_model=req.model, messages=self.prompt.messages, tools=self.prompt.tools,
@@ -98,8 +115,22 @@ class Call:
             turn_id=self.tags.turn_id, step_index=self.tags.step_index,
             request_id=self.tags.request_id, api=self.api,
         )
-        store.complete(self.place, self.turn, self.tags.session_done)
-        self.headers["X-Turn-Uid"] = self.turn.uid
+        self.durable = asyncio.wrap_future(store.complete(self.place, turn,
+                                                          self.tags.session_done))
+        self.turn = turn
+        self.request[DURABLE] = self.durable
+        self.headers["X-Turn-Uid"] = turn.uid
+        return asyncio.shield(self.durable)  # a writer cancelled while it waits: still filed
+
+    def kept_after_failure(self) -> dict | None:
+        """What a repeat of a response that failed after its turn was filed gets: the body
+        file_turn was given, so the turn is not generated or recorded twice. None when no turn
+        was filed, or writing it failed (its line is written even if its waiter was cancelled)."""
+        d = self.durable
+        if self.turn is None or self.kept_body is None or d is None or (
+                d.done() and not d.cancelled() and d.exception() is not None):
+            return None
+        return {"body": self.kept_body, "events": None}
 
 
 def first_tool_call_only(ev: ChoiceEvent, parsed: list[dict], rec: ChoiceRecord) -> None:
@@ -131,21 +162,41 @@ async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api
     """Run one turn of any dialect. `thread_hint` names the thread a chained request
     (Responses' previous_response_id) continues, for the session store."""
     app = request.app
-    settings, model, engine, store = app[SETTINGS], app[MODEL], app[ENGINE], app[SESSIONS]
+    settings, store = app[SETTINGS], app[SESSIONS]
     if settings.server.strict_model_names and req.model not in served_names(app):
         raise APIError(404, f"The model '{req.model}' does not exist", param="model",
                        code="model_not_found")
     # Keyed per API: a retry comes back through the door it first used, in that door's shape.
     replay_key = f"{api}:{tags.request_id}" if tags.request_id and not tags.opt_out else None
-    if replay_key:
-        kept = store.stored_response(replay_key)
-        if isinstance(kept, asyncio.Future):  # the first attempt is still running
-            kept = await asyncio.shield(kept)
-        if kept is not None:
+    if replay_key is None:
+        call = await make_call(request, req, tags, api, thread_hint)
+        return (await run_call(call, write))[0]
+    while (kept := store.stored_response(replay_key)) is not None:
+        if not isinstance(kept, asyncio.Future):
             return await replay(request, req, kept)
+        # Another attempt is running: wait for it (a client that gives up leaves it running).
+        # If it fails, the first waiter to wake claims the key and the others wait for that one.
+        if (kept := await asyncio.shield(kept)) is not None:
+            return await replay(request, req, kept)
+    store.start_response(replay_key)  # no await since the check above: this attempt owns it
+    call, kept = None, None
+    try:
+        call = await make_call(request, req, tags, api, thread_hint)
+        resp, kept = await run_call(call, write)
+        return resp
+    finally:
+        if kept is None and call is not None:  # filed, then its client went away?
+            kept = call.kept_after_failure()
+        store.finish_response(replay_key, kept)
+
+
+async def make_call(request: web.Request, req: ChatRequest, tags: TurnTags, api: str,
+                    thread_hint: str | None) -> Call:
+    """Template the prompt, check the token budget, resolve the session: a Call to run."""
+    app = request.app
+    settings, model, engine, store = app[SETTINGS], app[MODEL], app[ENGINE], app[SESSIONS]
     if engine.error is not None or not engine.alive:
         raise APIError(503, f"the engine is not running: {engine.error}", type="server_error")
-
     loop = asyncio.get_running_loop()
     # Templating a 15k-token agent prompt takes tens of ms: keep it off the event loop.
     prompt = await loop.run_in_executor(None, build_prompt, model.tokenizer, req)
@@ -155,27 +206,23 @@ async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api
     place = None
     if not tags.opt_out:
         place = store.resolve(tags, prompt.messages, prompt.tools, req.max_tokens, thread_hint)
-    waiter = None
-    if replay_key:
-        waiter = loop.create_future()
-        store.store_response(replay_key, waiter)
-    call = Call(request, req, tags, api, prompt, params,
+    return Call(request, req, tags, api, prompt, params,
                 Generation(engine, model.tokenizer, prompt, params, req,
                            reasoning=settings.engine.reasoning_parser == "auto"), place,
                 {"X-Session-Id": place.session.id} if place else {})
-    kept = None
+
+
+async def run_call(call: Call, write: Write) -> tuple[web.StreamResponse, object | None]:
+    """Generate and write one turn (the dialect files it): the response, and what to keep for
+    a repeat (None when it failed)."""
     try:
         resp, kept = await write(call)
-        return resp
+        if call.durable is not None:  # a whole body goes out after this: on disk first
+            await asyncio.shield(call.durable)
+        return resp, kept
     finally:
         call.gen.cancel()  # no-op for finished choices; stops generation for a gone client
         metrics.observe_call(call)
-        if waiter is not None:
-            if kept is None:  # failed: a retry must generate anew
-                store.forget_response(replay_key)
-            else:
-                store.store_response(replay_key, kept)
-            waiter.set_result(kept)
 
 
 async def drain(call: Call) -> list[ChoiceEvent]:
@@ -208,10 +255,33 @@ async def replay_kept(request: web.Request, req: ChatRequest, kept: dict,
     return resp
 
 
+class SseResponse(web.StreamResponse):
+    """A text/event-stream response whose bytes written after its request's turn was filed
+    wait until the turn is on disk: the finish events, `[DONE]` and the end of the stream
+    never reach a client before a crash could no longer lose the turn."""
+
+    def __init__(self, request: web.Request, headers: dict[str, str]):
+        super().__init__(headers=headers)
+        self.for_request = request
+
+    async def _turn_on_disk(self) -> None:
+        durable = self.for_request.get(DURABLE)
+        if durable is not None and not durable.done():
+            await asyncio.shield(durable)
+
+    async def write(self, data) -> None:
+        await self._turn_on_disk()
+        await super().write(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await self._turn_on_disk()
+        await super().write_eof(data)
+
+
 async def open_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
-    """A prepared text/event-stream response."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                       **headers})
+    """A prepared text/event-stream response (an `SseResponse`)."""
+    resp = SseResponse(request, {"Content-Type": "text/event-stream",
+                                 "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                 **headers})
     await resp.prepare(request)
     return resp
