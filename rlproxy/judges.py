@@ -24,6 +24,7 @@ from typing import Callable
 import aiohttp
 
 log = logging.getLogger("rlproxy.judges")
+PREFILL_STEP = 2048  # teacher positions per forward pass (the engine's default prefill step)
 
 
 class JudgeUnavailable(Exception):
@@ -52,11 +53,9 @@ class LocalJudge:
         return await future
 
     def _run(self) -> None:
-        import gc
+        from rlproxy.mlx_threads import mlx_thread
 
-        import mlx.core as mx
-
-        with mx.stream(mx.new_stream(mx.default_device())):
+        with mlx_thread():
             while (task := self._tasks.get()) is not None:
                 fn, args, loop, future = task
                 if self._closing:
@@ -69,9 +68,6 @@ class LocalJudge:
                     loop.call_soon_threadsafe(_settle, future, result, error)
                 except RuntimeError:  # the event loop is gone (shutdown)
                     pass
-        gc.collect()  # free MLX objects on this thread, not at interpreter exit
-        mx.synchronize()
-        mx.clear_streams()  # each MLX thread must, or the process can abort at exit
 
     async def complete(self, messages, temperature: float, max_tokens: int, seed: int) -> str:
         return await self._call(self._generate, messages, temperature, max_tokens, seed)
@@ -99,13 +95,30 @@ class LocalJudge:
         return self.tokenizer.decode(ids)
 
     def _logprobs(self, prompt_ids, completion_ids) -> list[float]:
-        import mlx.core as mx
+        """log p(completion | prompt) per token, at temperature 1 (losses.token_logprobs: the
+        quantity the engine records). Through a KV cache, PREFILL_STEP positions at a time, so
+        a long prompt never materialises logits for every position."""
+        from functools import partial
 
-        ids = mx.array(prompt_ids + completion_ids)[None]
-        logits = self.model(ids[:, :-1])[0, len(prompt_ids) - 1:]
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        picked = mx.take_along_axis(lp, mx.array(completion_ids)[:, None], axis=1)[:, 0]
-        return picked.tolist()
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from rlproxy.losses import token_logprobs
+
+        cache = make_prompt_cache(self.model)
+        ids, n = list(prompt_ids) + list(completion_ids), len(prompt_ids)
+        for start in range(0, n - 1, PREFILL_STEP):  # the prompt: only its keys and values
+            self.model(mx.array(ids[start:min(start + PREFILL_STEP, n - 1)])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            if self.busy() and self.yield_s:
+                time.sleep(self.yield_s)  # live traffic first
+        out: list[float] = []
+        for start in range(n - 1, len(ids) - 1, PREFILL_STEP):  # position t predicts ids[t + 1]
+            end = min(start + PREFILL_STEP, len(ids) - 1)
+            lp = token_logprobs(partial(self.model, cache=cache), mx.array(ids[start:end])[None],
+                                mx.array(ids[start + 1:end + 1])[None])
+            out += lp[0].tolist()
+        return out
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

@@ -7,13 +7,33 @@ Reward of a turn (documented in the README):
   state are not judged. Explicit feedback r_e (POST /v1/feedback) and reward functions r_f
   (first non-None) combine with it: "override" takes the first present of r_e, r_f, r_j;
   "add" sums those present and clips to [-1, 1].
-Per-token advantage (combine): A_t = w_opd * (teacher_lp_t - behaviour_lp_t) + w_rl * r, where
+Per-token advantage (combine): A_t = w_opd * (teacher_lp_t - behaviour_lp_t) + w_rl * a, where
 the OPD term is exactly 0 for a turn without teacher log-probs and the RL term 0 without reward.
+a = r for a lone choice (the trainer may then subtract its running mean), and for a request with
+n > 1 whose scored choices number 2 or more, the group-relative advantage (GRPO)
+  a_i = (r_i - mean(group)) [/ (std(group) + 1e-4) with baseline "group-std"],
+over the choices with a reward; std is the sample std (n - 1), as TRL's GRPO; a group whose
+rewards are all equal gives every choice exactly 0.
+
+Choices of an n > 1 request that the conversation did not continue from have no next state of
+their own; each is scored against the chosen choice's next state (the user's reply or tool
+result to that one), or not at all:
+  reward functions  every choice, always (they receive the choice);
+  PRM judge         every choice with --score-all-choices (m votes each), else the chosen only;
+  OPD               the one hint (written from the chosen choice's next state) is applied to
+                    every choice's tokens with --score-all-choices, else the chosen only;
+  feedback          the chosen choice only (it is about the reply the user saw);
+  at-least-one      lifts the chosen choice only. A turn's choices are released together, when
+                    its chosen choice is, and the group baseline is over the rewards released
+                    (a lifted +1 included); feedback re-releases the chosen choice alone, against
+                    the same group.
+A choice with neither a reward nor teacher log-probs is not released.
 """
 
 from __future__ import annotations
 
 import re
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -63,8 +83,10 @@ def render_next_state(messages: list[dict], limit: int) -> str:
     return "\n\n".join(blocks)
 
 
-def fill_prompt(template: str, turn: dict, limit: int) -> str:
-    choice = turn["choices"][turn.get("chosen_choice", 0)]
+def fill_prompt(template: str, turn: dict, limit: int, choice: int | None = None) -> str:
+    """The judge's prompt for one choice of TURN (default: the one its conversation continued
+    from); every choice is judged against the same next state."""
+    choice = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
     values = {"{user_request}": user_request(turn["messages"], limit),
               "{assistant_output}": assistant_output(choice),
               "{next_state}": render_next_state(turn["next_state"] or [], limit)}
@@ -137,3 +159,106 @@ def at_least_one(rewards: dict[str, tuple[int, float]]) -> str | None:
     if not rewards or any(r > 0 for _, r in rewards.values()):
         return None
     return max(rewards, key=lambda uid: (rewards[uid][1], rewards[uid][0]))
+
+
+# ---- group baselines (GRPO) and what is released to the trainer ----
+
+STD_EPS = 1e-4  # as TRL's GRPO: a near-constant group cannot blow advantages up
+
+
+def group_baseline(rewards: list[float | None], mode: str) -> tuple[float | None, float | None]:
+    """(baseline, scale) for the choices of one request: a_i = (r_i - baseline) / scale.
+    (None, None) when fewer than 2 choices have a reward: not baselined here (the trainer's
+    own --baseline then applies). Any mode uses the group mean for a group of 2 or more."""
+    group = [r for r in rewards if r is not None]
+    if len(group) < 2:
+        return None, None
+    if max(group) == min(group):
+        return group[0], None  # every a_i is exactly 0: the group carries no signal
+    mean = statistics.fmean(group)
+    if mode != "group-std":
+        return mean, None
+    return mean, statistics.stdev(group) + STD_EPS
+
+
+def relative(reward: float | None, baseline: float | None, scale: float | None) -> float | None:
+    """The RL advantage of one choice from its release: reward, less baseline, over scale."""
+    if reward is None:
+        return None
+    a = reward - baseline if baseline is not None else reward
+    return a / scale if scale is not None else a
+
+
+def group_advantages(rewards: list[float | None], mode: str) -> list[float | None]:
+    baseline, scale = group_baseline(rewards, mode)
+    return [relative(r, baseline, scale) for r in rewards]
+
+
+def choice_key(uid: str, choice: int, chosen: int) -> str:
+    """What the trainer knows a released choice by: the uid for the chosen choice."""
+    return uid if choice == chosen else f"{uid}/{choice}"
+
+
+def choice_rewards(line: dict, n: int) -> list[float | None]:
+    """Every choice's reward from a score line (None: not scored)."""
+    rewards: list[float | None] = [None] * n
+    rewards[line["chosen_choice"]] = line["reward"]
+    for other in line.get("other_choices") or []:
+        rewards[other["choice"]] = other["reward"]
+    return rewards
+
+
+def choice_teacher_logprobs(line: dict, choice: int) -> list[float] | None:
+    if choice == line["chosen_choice"]:
+        return line.get("teacher_logprobs")
+    other = next((o for o in line.get("other_choices") or [] if o["choice"] == choice), {})
+    return other.get("teacher_logprobs")
+
+
+def release_lines(line: dict, n: int, reward: float | None, reason: str, mode: str,
+                  with_others: bool) -> list[dict]:
+    """The `release` lines of one turn: its chosen choice with REWARD (after at-least-one or
+    feedback), and with WITH_OTHERS each other choice that has something to train (a reward or
+    teacher log-probs), reason "group". The baseline is the group's over the rewards released;
+    the chosen choice's line comes last."""
+    chosen = line["chosen_choice"]
+    rewards = choice_rewards(line, n)
+    rewards[chosen] = reward
+    baseline, scale = group_baseline(rewards, mode)
+    out = []
+    for i in range(n):
+        if i == chosen or not with_others:
+            continue
+        if rewards[i] is None and choice_teacher_logprobs(line, i) is None:
+            continue
+        out.append(_release(line, i, rewards[i], "group", baseline, scale))
+    return out + [_release(line, chosen, reward, reason, baseline, scale)]
+
+
+def _release(line: dict, i: int, reward, reason: str, baseline, scale) -> dict:
+    if reward is None:
+        baseline = scale = None
+    return {"kind": "release", "uid": line["uid"], "session_id": line["session_id"],
+            "index": line["index"], "choice": i,
+            "key": choice_key(line["uid"], i, line["chosen_choice"]), "reward": reward,
+            "reason": reason, "baseline": baseline, "scale": scale}
+
+
+def released_item(turn: dict, score: dict, release: dict, w_opd: float, w_rl: float,
+                  update: bool = False) -> dict | None:
+    """What the trainer gets for one released choice (None: nothing to train): the turn record,
+    the choice, its key, reward, per-token advantages, whether a group baseline was already
+    subtracted, and its teacher log-probs. Rebuilds exactly from the records after a restart:
+    the turn's line in conversations.jsonl, its `score` line and the `release` line."""
+    i = release.get("choice", turn.get("chosen_choice", 0))
+    score = {"chosen_choice": turn.get("chosen_choice", 0), **score}  # older lines lack it
+    teacher = choice_teacher_logprobs(score, i)
+    baseline, scale = release.get("baseline"), release.get("scale")
+    advantages = token_advantages(turn["choices"][i]["logprobs"], teacher,
+                                  relative(release["reward"], baseline, scale), w_opd, w_rl)
+    if advantages is None:
+        return None
+    return {"turn": turn, "choice": i,
+            "key": release.get("key") or choice_key(turn["uid"], i, score["chosen_choice"]),
+            "reward": release["reward"], "advantages": advantages,
+            "baselined": baseline is not None, "teacher_logprobs": teacher, "update": update}

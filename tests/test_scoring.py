@@ -1,5 +1,7 @@
 """Scoring against the next state: the math, and real sessions through the proxy judged by a small
-real aiohttp judge server (the one narrow fake: its verdicts are scripted by the test)."""
+real aiohttp judge server (the one narrow fake: its verdicts are scripted by the test). What the
+trainer would be handed is captured by setting the scorer's `on_released` (--no-train: nothing
+else reads it). Tests wait on conditions (/healthz, lines on disk), never on a fixed sleep."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import requests
 from aiohttp import web
 
 from rlproxy import scoring
-from rlproxy.appkeys import ENGINE, TRAINING
+from rlproxy.appkeys import ENGINE, SCORER
 from rlproxy.model import lora_weights
 from conftest import AppThread, ServerThread, make_settings, read_records
 
@@ -73,6 +75,7 @@ class Judge:
 
     def __init__(self):
         self.down = False
+        self.refused = 0  # calls answered 503 while down
         self.calls: Counter = Counter()
         self.thread = AppThread(self._app)
 
@@ -83,6 +86,7 @@ class Judge:
 
     async def _chat(self, request):
         if self.down:
+            self.refused += 1
             return web.json_response({"error": {"message": "down"}}, status=503)
         body = await request.json()
         prompt = body["messages"][0]["content"]
@@ -126,6 +130,20 @@ def proxy(tiny, tmp_path, judge, **flags):
     return ServerThread(settings, tiny)
 
 
+def capture(server) -> list[dict]:
+    """What the scorer hands on (the trainer's submit, were training on), in order."""
+    released: list[dict] = []
+    server.app[SCORER].on_released = released.append
+    return released
+
+
+def wait_for(condition, timeout=30.0, what="a condition"):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def chat(server, sid, messages, **headers):
     r = server.client().chat.completions.create(
         model="m", messages=messages, max_tokens=4, seed=1,
@@ -155,6 +173,11 @@ def lines(data_dir, kind):
     return [r for r in read_records(data_dir, "prm_scores.jsonl") if r["kind"] == kind]
 
 
+def wait_lines(data_dir, kind, n):
+    """Until N lines of KIND are on disk (release lines are queued for the writer thread)."""
+    wait_for(lambda: len(lines(data_dir, kind)) >= n, what=f"{n} {kind} lines")
+
+
 def by_index(data_dir, kind="score"):
     return {r["index"]: r for r in lines(data_dir, kind)}
 
@@ -180,7 +203,7 @@ def test_at_least_one_lifts_the_best_turn_of_a_negative_session(tiny, tmp_path, 
                                "[votes -1,-1,0] wrong again"])
         run_session(s, "pos", ["[votes 1,1,1] thanks", "[votes -1,-1,-1] wrong"])
         wait_scored(s, 7)
-        time.sleep(0.3)
+        wait_lines(tmp_path, "release", 7)
     releases = {(r["session_id"], r["index"]): r for r in lines(tmp_path, "release")}
     assert releases[("neg", 1)]["reward"] == 1.0 and releases[("neg", 1)]["reason"] == "at_least_one"
     assert releases[("neg", 0)]["reward"] == -1 and releases[("neg", 2)]["reward"] == -1
@@ -190,10 +213,10 @@ def test_at_least_one_lifts_the_best_turn_of_a_negative_session(tiny, tmp_path, 
 
 def test_combine_dispatch_opd_rl_and_rl_only_and_nothing(tiny, tmp_path, judge):
     with proxy(tiny, tmp_path, judge, method="combine", w_opd=1.0, w_rl=0.5) as s:
+        released = capture(s)
         run_session(s, "comb", ["[votes 1,1,1] [hint yes] thanks", "[votes -1,-1,-1] no"])
         wait_scored(s, 3)
-        time.sleep(0.3)
-        released = [s.app[TRAINING].get_nowait() for _ in range(s.app[TRAINING].qsize())]
+        wait_for(lambda: len(released) == 2, what="2 released turns")
     scores = by_index(tmp_path)
     both, rl_only, last = scores[0], scores[1], scores[2]
     assert both["hint"] == "Check the city name first." and both["teacher_logprobs"]
@@ -210,10 +233,10 @@ def test_combine_dispatch_opd_rl_and_rl_only_and_nothing(tiny, tmp_path, judge):
 
 def test_opd_only_and_teacher_logprobs_are_exact(tiny, tmp_path, judge):
     with proxy(tiny, tmp_path, judge, method="opd") as s:  # teacher: the local base model
+        released = capture(s)
         run_session(s, "opd", ["[hint yes] use Celsius"])
         wait_scored(s, 2)
-        time.sleep(0.3)
-        released = [s.app[TRAINING].get_nowait() for _ in range(s.app[TRAINING].qsize())]
+        wait_lines(tmp_path, "release", 2)
     score = by_index(tmp_path)[0]
     assert score["votes"] == [] and score["reward"] is None
     (turn,) = [r["turn"] for r in released]
@@ -234,6 +257,7 @@ def test_opd_only_and_teacher_logprobs_are_exact(tiny, tmp_path, judge):
 @pytest.mark.parametrize("mode,expected", [("override", -0.5), ("add", 0.5)])
 def test_feedback_overrides_or_adds(tiny, tmp_path, judge, mode, expected):
     with proxy(tiny, tmp_path, judge, feedback_mode=mode, at_least_one=False) as s:
+        released = capture(s)
         run_session(s, "fb", ["[votes 1,1,1] thanks"], done=False)
         # feedback for the pending last turn arrives before it is scored ...
         r = requests.post(s.base_url + "/feedback",
@@ -247,9 +271,7 @@ def test_feedback_overrides_or_adds(tiny, tmp_path, judge, mode, expected):
         assert r.status_code == 200 and r.json()["status"] == "rescored"
         requests.post(s.base_url + "/sessions/fb/end")
         wait_scored(s, 2)
-        time.sleep(0.3)
-        queue = s.app[TRAINING]
-        released = [queue.get_nowait() for _ in range(queue.qsize())]
+        wait_for(lambda: len(released) == 3, what="3 released items")
         turn0 = [r for r in released if r["turn"]["index"] == 0]
         # released when scored, and again (to be trained again) with the feedback's reward
         assert [(r["reward"], r["update"]) for r in turn0] == [(1, False), (expected, True)]
@@ -260,6 +282,7 @@ def test_feedback_overrides_or_adds(tiny, tmp_path, judge, mode, expected):
             {"session_id": "fb", "turn_uid": 5, "reward": 1},
             {"session_id": "fb", "turn_index": "0", "reward": 1}]]
         assert bad == [400, 400, 404, 400, 400]
+    wait_lines(tmp_path, "release", 3)
     releases = [r for r in lines(tmp_path, "release") if r["index"] == 0]
     assert releases[0]["reward"] == 1 and releases[-1]["reward"] == expected
     assert releases[-1]["reason"] == "feedback"
@@ -287,7 +310,11 @@ def test_restart_during_outage_loses_no_turn(tiny, tmp_path, judge):
     judge.down = True
     with proxy(tiny, tmp_path, judge) as s:
         run_session(s, "rs", ["[votes 1,1,1] a", "[votes -1,-1,-1] b"])
-        time.sleep(1.5)
+        # both judged turns met the outage (the judge refused them) and wait for a retry
+        wait_for(lambda: requests.get(s.url + "/healthz").json()["scoring"]["outages"] >= 2,
+                 what="two outages")
+        assert judge.refused >= 2 * 3  # 3 votes each, all refused
+        assert requests.get(s.url + "/healthz").json()["scoring"]["pending"] == 2
     assert [r["final"] for r in lines(tmp_path, "score")] == [True]  # judged turns all wait
     assert len(read_records(tmp_path)) == 3
     judge.down = False
@@ -318,3 +345,74 @@ def test_local_judge_leaves_the_serving_adapter_alone(tmp_path):
     assert all(v["text"] is not None for r in scores for v in r["votes"])  # the model answered
 
 
+
+
+# ---- bounded memory, and the records read back (the Scorer alone, no server) ----
+
+
+def minus_one(turn, next_state):
+    return -1.0
+
+
+def fake_turn(session: str, index: int, final: bool) -> dict:
+    return {"kind": "turn", "uid": f"{session}-{index}", "session_id": session, "index": index,
+            "trainable": True, "messages": [{"role": "user", "content": "hi"}], "tools": None,
+            "prompt_ids": list(range(1000, 1100)), "chosen_choice": 0,
+            "choices": [{"completion_ids": [5, 6], "logprobs": [-1.0, -2.0], "text": "x",
+                         "tool_calls": []}],
+            "next_state": None if final else [{"role": "user", "content": "ok"}],
+            "end": "session_done" if final else None}
+
+
+async def test_the_scorer_forgets_finished_sessions_and_reads_its_records_back(tmp_path):
+    from rlproxy.records import CONVERSATIONS, JsonlWriter
+    from rlproxy.scorer import Scorer
+
+    settings = make_settings(tmp_path, judge=False, reward_functions=["test_scoring:minus_one"])
+    turns = JsonlWriter(tmp_path / CONVERSATIONS, fsync=False)
+    scorer = Scorer(settings.scoring, tmp_path, None, None, None, fsync=False,
+                    keep_recent=3, keep_scored=8)
+    released: list[dict] = []
+    scorer.on_released = released.append
+    task = asyncio.create_task(scorer.run())
+    try:
+        for k in range(20):  # 20 sessions of 2 turns, all -1: each lifts its last turn
+            for i in range(2):
+                record = fake_turn(f"s{k}", i, final=i == 1)
+                await turns.write_async(record)
+                scorer.submit(record)
+                scorer.submit(record)  # a duplicate: scored once
+        deadline = time.time() + 30
+        while scorer.pending or len(released) < 40:
+            assert time.time() < deadline, scorer.stats
+            await asyncio.sleep(0.02)
+        assert scorer.stats["scored"] == 40 and len(released) == 40
+        assert [r["reward"] for r in released if r["turn"]["index"] == 1] == [1.0] * 20
+        # nothing of a finished session is kept but the bounded remainders
+        assert scorer.ledger.tallies == {} and scorer.held == {}
+        assert list(scorer.recent) == ["s18-1", "s19-0", "s19-1"]
+        assert len(scorer.summaries) == 8 and len(scorer.known) == 8
+        # feedback: a recent turn is trained again; an older one only re-released
+        assert await scorer.add_feedback("s19-0", "s19", 0.5, None) == "rescored"
+        assert released[-1]["update"] and released[-1]["key"] == "s19-0"
+        assert await scorer.add_feedback("s17-0", "s17", 0.5, None) == "rescored"
+        assert len(released) == 41
+        assert await scorer.add_feedback("s1-0", "s1", 0.5, None) == "pending"  # forgotten
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        scorer.close()
+        turns.close()
+    again = lines(tmp_path, "release")
+    assert [(r["uid"], r["reward"], r["reason"]) for r in again[-2:]] == [
+        ("s19-0", 0.5, "feedback"), ("s17-0", 0.5, "feedback")]
+    # a restart: nothing is scored or released twice, and the latest turns are at hand again
+    scorer = Scorer(settings.scoring, tmp_path, None, None, None, fsync=False,
+                    keep_recent=3, keep_scored=8)
+    try:
+        assert scorer.queue.empty() and scorer.pending == 0 and scorer.ledger.tallies == {}
+        assert set(scorer.recent) == {"s18-1", "s19-0", "s19-1"}
+        assert scorer.ledger.done["s19-0"] == 0.5 and scorer.ledger.done["s17-0"] == 0.5
+        assert scorer.ledger.settle() == []
+    finally:
+        scorer.close()
