@@ -3,7 +3,9 @@
 Sources, lowest to highest priority: defaults, an optional TOML file (sections named like the
 classes below: `[server]`, `[model]`, ...), `RLPROXY_<FIELD>` environment variables (flat: field
 names are unique across sections, e.g. `RLPROXY_API_KEY`, `RLPROXY_PORT`), command-line flags.
-Every check lives here, and each message says what to change.
+Every check lives here, and each message says what to change. Each field's description is its
+`--help` text (rlproxy/flags.py makes one flag per field): a description that explains its own
+default says `default: ...`; otherwise the help adds the value.
 """
 
 from __future__ import annotations
@@ -23,13 +25,36 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _int_text(v):
+    """'8' -> 8 for the bit widths (environment variables are text; Literal[4, 8] wants ints)."""
+    if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():
+        return int(v)
+    return v  # the Literal check then says which values are allowed
+
+
+def _module_functions(v: list[str]) -> list[str]:
+    for name in v:
+        if name.count(":") != 1 or not all(name.split(":")):
+            raise ValueError(f"reward function {name!r} must look like 'module:function'")
+    return v
+
+
 class ServerSettings(Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
-    max_request_mb: float = Field(32.0, gt=0)
-    served_model_name: list[str] = []  # aliases; the first is the name /v1/models reports
-    strict_model_names: bool = False  # off: agents send names of their own, all served
+    host: str = Field(
+        "127.0.0.1", description="address to bind (127.0.0.1: this machine only; 0.0.0.0 serves "
+        "other machines too)")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0 picks a free one)")
+    api_key: str | None = Field(
+        None, description="require the key ('Authorization: Bearer KEY' or 'x-api-key: KEY') "
+        "on every path but /healthz (default: none, no key checked)")
+    max_request_mb: float = Field(
+        32.0, gt=0, description="largest request body accepted, in MB (413 above it)")
+    served_model_name: list[str] = Field(
+        [], description="a name /v1/models lists (repeat for aliases); the first is the one "
+        "reported (default: the model id)")
+    strict_model_names: bool = Field(
+        False, description="answer unknown model names with 404 model_not_found (off: agents "
+        "send names of their own, and all are served)")
     tinker_max_models: int = Field(
         4, ge=0, description="Tinker training clients (LoRA models) alive at once under "
         "/api/v1; each holds its LoRA weights, gradients and AdamW state (0: Tinker API off)")
@@ -51,15 +76,28 @@ class ServerSettings(Section):
 
 
 class ModelSettings(Section):
-    model: str | None = None  # a path or hub id; None serves the embedded default
-    embedded_size: str = "tiny"
-    adapter: str | None = None  # an mlx-lm adapter directory to start from
-    lora_rank: int = Field(8, ge=1)
-    lora_scale: float = Field(20.0, gt=0)
+    model: str | None = Field(
+        None, description="mlx-lm model path or hub id (default: the embedded model)")
+    embedded_size: str = Field(
+        "tiny", description="size of the embedded model served when no model is given: tiny "
+        "(~1M params) or small (~11M)")
+    adapter: str | None = Field(
+        None, description="mlx-lm adapter directory to start from, e.g. a checkpoint step_* "
+        "(default: none, a fresh adapter)")
+    lora_rank: int = Field(8, ge=1, description="LoRA rank")
+    lora_scale: float = Field(20.0, gt=0, description="LoRA scale (mlx-lm's alpha)")
     lora_layers: int = Field(-1, description="LoRA on the last N blocks; -1 means all")
-    lora_keys: list[str] | None = None  # None: every linear layer of each block (mlx-lm's default)
+    lora_keys: list[str] | None = Field(
+        None, description="projection to adapt, e.g. self_attn.q_proj (repeat; default: every "
+        "linear layer of each block, mlx-lm's default)")
     quantize_bits: Literal[4, 8] | None = Field(
-        None, description="QLoRA: quantize the frozen base to 4 or 8 bits (slower on CPU)")
+        None, description="QLoRA: quantize the frozen base to 4 or 8 bits, slower on CPU "
+        "(default: unset, full precision)")
+
+    @field_validator("quantize_bits", mode="before")
+    @classmethod
+    def _bits_from_text(cls, v):
+        return _int_text(v)
 
     @field_validator("embedded_size")
     @classmethod
@@ -72,8 +110,10 @@ class ModelSettings(Section):
 
 
 class EngineSettings(Section):
-    max_batch: int = Field(16, ge=1, description="concurrent sequences decoded together")
-    prefill_step_size: int = Field(2048, ge=16)
+    max_batch: int = Field(16, ge=1, description="sequences decoded together (continuous "
+                           "batching)")
+    prefill_step_size: int = Field(
+        2048, ge=16, description="prompt tokens processed per prefill step")
     default_max_tokens: int = Field(
         1024, ge=1, description="completion cap when a request names none (OpenAI: context)"
     )
@@ -86,41 +126,77 @@ class EngineSettings(Section):
 
 
 class CacheSettings(Section):
-    prefix_cache: bool = True
-    prefix_cache_disk_limit_gb: float = Field(4.0, gt=0)
-    prefix_cache_memory_mb: float = Field(512.0, ge=0)
-    prefix_block_tokens: int = Field(256, ge=16, description="prefix hashes cover whole blocks")
-    kv_bits: Literal[4, 8] | None = Field(None, description="quantize stored KV to 4 or 8 bits")
-    kv_group_size: int = Field(64, ge=16)
-    quantized_kv_start: int = Field(0, ge=0)
+    prefix_cache: bool = Field(
+        True, description="keep prompt KV state in memory and under <data_dir>/prefix_cache/")
+    prefix_cache_disk_limit_gb: float = Field(
+        4.0, gt=0, description="disk budget of the prefix cache, in GB")
+    prefix_cache_memory_mb: float = Field(
+        512.0, ge=0, description="in-memory LRU in front of the disk store, in MB")
+    prefix_block_tokens: int = Field(
+        256, ge=16, description="prefix hashes cover whole blocks of this many tokens")
+    kv_bits: Literal[4, 8] | None = Field(
+        None, description="store prefix KV entries quantized to 4 or 8 bits (default: unset, "
+        "full precision)")
+    kv_group_size: int = Field(
+        64, ge=16, description="KV quantization group size; must divide the model's head dim")
+    quantized_kv_start: int = Field(
+        0, ge=0, description="quantize only entries of at least this many tokens")
     kv_reuse_max_lag: int = Field(
         4, ge=0, le=64, description="reuse prefix KV computed under an adapter up to this many "
         "versions older than the one served (0: only the served adapter's own KV)")
+
+    @field_validator("kv_bits", mode="before")
+    @classmethod
+    def _bits_from_text(cls, v):
+        return _int_text(v)
 
 
 PRM_PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prm_prompts"
 
 
 class ScoringSettings(Section):
-    method: Literal["rl", "opd", "combine"] = "rl"
-    judge: bool = True  # False: rewards come only from feedback and reward functions
-    prm_m: int = Field(3, ge=1, description="judge votes per turn")
-    prm_temperature: float = Field(0.6, ge=0, le=2)
-    prm_max_tokens: int = Field(256, ge=8)
-    prm_max_context_chars: int = Field(4000, ge=200, description="trim the user request")
-    prm_prompts: Path = PRM_PROMPTS_DIR
-    w_opd: float = 1.0
-    w_rl: float = 1.0
-    at_least_one: bool = True
-    feedback_mode: Literal["override", "add"] = "override"
-    reward_functions: list[str] = []  # "module:function", called with (turn, next_state)
-    judge_url: str | None = None  # an OpenAI-compatible /v1 URL; None: the local base model
-    judge_model: str = "default"
-    judge_api_key: str | None = None
-    teacher_url: str | None = None  # needs prompt log-probs (vLLM); None: the local base model
-    judge_timeout_s: float = Field(60.0, gt=0)
-    judge_retries: int = Field(3, ge=0)
-    judge_concurrency: int = Field(4, ge=1)
+    method: Literal["rl", "opd", "combine"] = Field(
+        "rl", description="rl: judge (PRM) reward; opd: hint + teacher log-probs; combine: both")
+    judge: bool = Field(
+        True, description="judge votes score turns (off: rewards come only from feedback and "
+        "reward functions)")
+    prm_m: int = Field(3, ge=1, description="judge votes (and hint answers) per turn")
+    prm_temperature: float = Field(0.6, ge=0, le=2, description="judge sampling temperature")
+    prm_max_tokens: int = Field(256, ge=8, description="judge answer length cap")
+    prm_max_context_chars: int = Field(
+        4000, ge=200, description="the user request shown to the judge is trimmed to this many "
+        "characters")
+    prm_prompts: Path = Field(
+        PRM_PROMPTS_DIR, description="folder with judge.txt and hint.txt (default: the "
+        "repo's prm_prompts/)")
+    w_opd: float = Field(
+        1.0, description="weight of teacher_lp - behaviour_lp in the advantage")
+    w_rl: float = Field(1.0, description="weight of the reward in the advantage")
+    at_least_one: bool = Field(
+        True, description="a closed session whose scored turns are all <= 0: its best turn "
+        "gets +1")
+    feedback_mode: Literal["override", "add"] = Field(
+        "override", description="override: explicit feedback, else a reward function, else "
+        "the judge; add: their sum, clipped to [-1, 1]")
+    reward_functions: list[str] = Field(
+        [], description="module:function called with (turn, next_state) or (turn, next_state, "
+        "choice=i) on a worker thread, returning a reward in [-1, 1] or None (repeatable)")
+    judge_url: str | None = Field(
+        None, description="OpenAI-compatible judge base URL, e.g. http://127.0.0.1:8001/v1 "
+        "(default: the local base model)")
+    judge_model: str = Field(
+        "default", description="model name sent to judge_url (and teacher_url)")
+    judge_api_key: str | None = Field(
+        None, description="API key sent to judge_url (default: none)")
+    teacher_url: str | None = Field(
+        None, description="vLLM-compatible URL giving prompt log-probs for OPD (default: the "
+        "local base model)")
+    judge_timeout_s: float = Field(
+        60.0, gt=0, description="per judge/teacher HTTP call, in seconds")
+    judge_retries: int = Field(
+        3, ge=0, description="retries with exponential backoff before the turn waits (outage)")
+    judge_concurrency: int = Field(
+        4, ge=1, description="judge/teacher calls in flight at once")
     judge_yield_ms: float = Field(
         20.0, ge=0, description="local judge: pause per token while live requests decode")
     reward_timeout_s: float = Field(
@@ -133,21 +209,22 @@ class ScoringSettings(Section):
     @field_validator("reward_functions")
     @classmethod
     def _module_function(cls, v: list[str]) -> list[str]:
-        for name in v:
-            if name.count(":") != 1 or not all(name.split(":")):
-                raise ValueError(f"reward function {name!r} must look like 'module:function'")
-        return v
+        return _module_functions(v)
 
 
 class TrainerSettings(Section):
-    train: bool = True  # False (--no-train): serve, record and score, never update the adapter
-    loss_fn: Literal[LOSSES] = "ppo"
-    eps_low: float = Field(0.2, ge=0, le=1)
-    eps_high: float = Field(0.28, ge=0)
-    dro_beta: float = Field(0.1, ge=0)
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base model (0: off)")
-    learning_rate: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    train: bool = Field(
+        True, description="update the adapter from scored turns (off: serve, record and score "
+        "only)")
+    loss_fn: Literal[LOSSES] = Field("ppo", description="policy loss")
+    eps_low: float = Field(0.2, ge=0, le=1, description="PPO/CISPO lower clip")
+    eps_high: float = Field(0.28, ge=0, description="PPO/CISPO upper clip")
+    dro_beta: float = Field(0.1, ge=0, description="DRO quadratic penalty")
+    kl_coef: float = Field(
+        0.0, ge=0, description="KL penalty to the base model (0: off; > 0 loads a reference "
+        "copy)")
+    learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     batch_size: int = Field(4, ge=1, description="scored turns per optimizer step")
     train_epochs: int = Field(1, ge=1, description="optimizer steps per batch")
     max_context_tokens: int = Field(
@@ -160,14 +237,15 @@ class TrainerSettings(Section):
         "a smaller value yields to serving sooner; a larger one may train faster on big models")
     train_memory_gb: float | None = Field(
         None, gt=0, description="skip turns whose step is estimated to need more memory than "
-        "this many GB (default: 3/4 of physical memory less the loaded weights, serving and KL "
-        "reference, and a 2 GB serving reserve); raise it to train longer turns")
+        "this many GB; raise it to train longer turns (default: 3/4 of physical memory less the "
+        "loaded weights, serving and KL reference, and a 2 GB serving reserve)")
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm (0: off)")
     baseline: Literal["group", "group-std", "mean", "none"] = Field(
         "mean", description="advantage baseline: group (r - mean of the request's scored "
         "choices), group-std (also divided by their std), mean (running mean of rewards), none; "
         "a group of 2 or more scored choices always uses its group baseline")
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="learning-rate schedule after warmup")
     warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 over this many steps")
     lr_min: float = Field(0.0, ge=0, description="floor of the cosine/linear decay")
     lr_decay_steps: int = Field(
@@ -178,10 +256,11 @@ class TrainerSettings(Section):
         0, ge=0, description="evaluate the candidate adapter every N steps before publishing "
         "it; a worse one is rolled back (0: off)")
     eval_prompts: Path | None = Field(
-        None, description="extra probe prompts for the eval gate: JSONL of {messages, tools?}")
+        None, description="extra probe prompts for the eval gate: JSONL of {messages, tools?} "
+        "(default: none, probes from recorded turns only)")
     eval_reward_functions: list[str] = Field(
         [], description="module:function rewards the eval gate scores probes with, held back "
-        "from training (default: the scoring reward functions)")
+        "from training (repeatable; default: the scoring reward functions)")
     eval_probes: int = Field(8, ge=1, description="probe prompts per evaluation")
     eval_max_tokens: int = Field(32, ge=1, description="tokens sampled per probe")
     eval_tolerance: float = Field(
@@ -189,14 +268,16 @@ class TrainerSettings(Section):
         "the served adapter's")
     max_kl: float | None = Field(
         None, gt=0, description="publish only if KL to the base and to the served adapter "
-        "stays under this (unset: no bound)")
+        "stays under this (default: unset, no bound)")
     rollback_lr_factor: float = Field(
         0.5, gt=0, le=1, description="multiply the learning rate by this at each rollback")
     max_rollbacks: int = Field(
         3, ge=1, description="rollbacks in a row that pause training")
-    save_interval: int = Field(10, ge=1)
-    keep_checkpoints: int = Field(3, ge=1)
-    resume: bool = True
+    save_interval: int = Field(10, ge=1, description="checkpoint every N steps")
+    keep_checkpoints: int = Field(3, ge=1, description="keep the last N checkpoints")
+    resume: bool = Field(
+        True, description="start from the newest complete checkpoint in <data_dir>/checkpoints/ "
+        "(off: start fresh)")
     duty_cycle: float = Field(
         0.5, gt=0, le=1, description="share of time training may take while requests decode")
     max_step_attempts: int = Field(
@@ -204,10 +285,19 @@ class TrainerSettings(Section):
         "quarantined (1 to 10);"
         " 2 retries it once, 1 quarantines every turn of a failed step")
 
+    @field_validator("eval_reward_functions")
+    @classmethod
+    def _module_function(cls, v: list[str]) -> list[str]:
+        return _module_functions(v)
+
 
 class RecordSettings(Section):
-    data_dir: Path = Path.home() / ".rlproxy"
-    fsync: bool = True  # fsync every record line: an acknowledged turn survives power loss too
+    data_dir: Path = Field(
+        Path.home() / ".rlproxy", description="where records, checkpoints, stored responses "
+        "and the prefix cache go")
+    fsync: bool = Field(
+        True, description="fsync every record line, so an acknowledged turn survives power "
+        "loss too (off: faster; a power cut may lose the last lines)")
     responses_store_mb: float = Field(
         256.0, gt=0, description="disk kept for stored Responses (previous_response_id, "
         "GET /v1/responses/{id}); the oldest go first")
@@ -219,8 +309,8 @@ class SessionSettings(Section):
     max_open_sessions: int = Field(
         4096, ge=1, description="open sessions kept at once; past it the longest idle is closed")
     train_sessions_matching: str | None = Field(
-        None, description="train only sessions whose id matches this regex (X-RL-Train: 1|0 "
-        "decides per request and wins)")
+        None, description="train only sessions whose id matches this regex; the X-RL-Train "
+        "header (1 or 0) decides per request and wins (default: unset, every session)")
 
     @field_validator("train_sessions_matching")
     @classmethod
