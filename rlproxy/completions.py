@@ -3,17 +3,25 @@
 Owns: templating the prompt, token budgets, per-choice text assembly (streaming detokenization,
 stop strings, `<tool_call>` blocks turned into `tool_calls`, logprobs) and the exact token record
 of each choice. Does not own HTTP (server.py) or the model (engine.py).
+
+Library parts: markers and stop strings are matched by mlx-lm's `TextStateMachine` (with
+transitions of our own; ChoiceText says why), tool calls are read by the model's mlx-lm tool
+parser given the request's tools, and token bytes come from transformers' `bytes_to_unicode`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from dataclasses import dataclass, field
 
+from mlx_lm.generate import TextStateMachine
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from rlproxy import protocol
-from rlproxy.engine import Engine, Job, SamplingParams, Step
+from rlproxy.engine import Engine, Job, SamplingParams
 from rlproxy.protocol import APIError, ChatRequest
 
 
@@ -98,59 +106,102 @@ def prompt_opens_reasoning(tokenizer, prompt_ids: list[int], markers: tuple[str,
 
 class ChoiceText:
     """One choice's text as it streams: holds back what may be the start of a stop string, a
-    tool-call or a think marker, cuts at the first stop string, turns `<tool_call>{json}
-    </tool_call>` blocks into OpenAI tool calls (only when the request offered tools), and
-    splits off reasoning: text inside a think block that opens the completion (or that the
-    prompt opened) up to its end marker. Tool calls are not parsed inside reasoning."""
+    tool-call or a think marker, cuts at the first stop string, turns `<tool_call>...
+    </tool_call>` blocks into OpenAI tool calls (only when the request offered tools; the
+    model's tool parser gets the request's tools, so arguments are typed from their schema),
+    and splits off reasoning: text inside a think block that opens the completion (or that the
+    prompt opened) up to its end marker. Tool calls are not parsed inside reasoning.
+
+    The matching is mlx-lm's TextStateMachine, with transitions of our own rather than
+    `make_text_state_machine`'s: there a stop word is stripped and generation goes on (mlx-lm
+    stops on the word's token ids), while an OpenAI stop string ends the choice wherever it
+    falls, inside a token too; and there `<think>` opens reasoning anywhere and tool calls are
+    parsed inside it."""
 
     def __init__(self, tokenizer, stop: list[str] | None, parse_tools: bool,
-                 reasoning: tuple[str, str] | None = None, in_reasoning: bool = False):
-        self.tokenizer = tokenizer
+                 reasoning: tuple[str, str] | None = None, in_reasoning: bool = False,
+                 tools: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools
         self.detokenizer = tokenizer.detokenizer
         self.stop = [s for s in (stop or []) if s]
         self.tool_start = tokenizer.tool_call_start if parse_tools else None
-        self.tool_end = tokenizer.tool_call_end if parse_tools else None
-        self.pending = ""  # decoded but not yet emitted
-        self.in_tool = False
         self.stopped = False  # a stop string matched: the choice ends here
         self.stop_sequence: str | None = None  # which one (Anthropic's stop_sequence reports it)
         self.text = ""  # all content emitted
         self.tool_calls: list[dict] = []
-        self.think_start, self.think_end = reasoning or (None, None)
-        self.in_think = reasoning is not None and in_reasoning
-        self.at_start = reasoning is not None and not in_reasoning  # a think block may open
-        self.after_think = False  # the blank lines between the end marker and the answer go
         self.reasoning = ""  # all reasoning emitted
-        self._markers = self.stop + ([self.tool_start] if self.tool_start else [])
+        self.think_start = reasoning[0] if reasoning else None
+        self._machine = _machine(tokenizer, tuple(self.stop), self.tool_start, reasoning)
+        self._head = ""  # the completion's start, until it shows whether a think block opens
+        self._state = None if reasoning and not in_reasoning else \
+            self._machine.make_state("reasoning" if in_reasoning else "normal")
+        self._last = self._state[0] if self._state else "normal"  # last segment's state
+        self._tool = ""  # the tool call being read
+        self._after_think = False  # the blank lines between the end marker and the answer go
 
     def add(self, token_id: int) -> list[tuple[str, object]]:
         """Feed one sampled token; return deltas: ("content", str), ("reasoning", str) or
         ("tool_call", dict)."""
-        if token_id in self.tokenizer.eos_token_ids:
+        if token_id in self.tokenizer.eos_token_ids or self.stopped:
             return []
         self.detokenizer.add_token(token_id)
-        self.pending += self.detokenizer.last_segment
-        return self._drain(final=False)
+        return self._feed(self.detokenizer.last_segment, final=False)
 
     def finish(self) -> list[tuple[str, object]]:
         """The choice ended (end token or length): flush everything held back."""
         if self.stopped:
             return []
         self.detokenizer.finalize()
-        self.pending += self.detokenizer.last_segment
-        out = self._drain(final=True)
-        if self.in_tool:  # an unterminated call: give the text back as it was written
-            out += self._content(self.tool_start + self.pending)
-            self.pending, self.in_tool = "", False
-        elif self.pending:
-            out += self._content(self.pending)
-            self.pending = ""
+        out = self._feed(self.detokenizer.last_segment, final=True)
+        if self.stopped:
+            return out
+        self._state, rest, state = TextStateMachine.flush(self._state)
+        if state == "tool" and not self.tokenizer.tool_call_end:  # a format whose calls run
+            out += self._tool_call(self._tool + rest)  # to the end of the completion
+        elif state == "tool":  # an unterminated call: give the text back as it was written
+            out += self._content(self.tool_start + self._tool + rest)
+            self._tool = ""
+        elif state == "reasoning":
+            out += self._reasoning(rest)
+        else:
+            out += self._content(rest)
+        return out
+
+    def _feed(self, text: str, final: bool) -> list[tuple[str, object]]:
+        if self._state is None:  # a think block may open the completion, after whitespace
+            self._head += text
+            lead = self._head.lstrip()
+            if lead.startswith(self.think_start):
+                text = lead[len(self.think_start):]
+                self._state, self._last = self._machine.make_state("reasoning"), "reasoning"
+            elif not final and self.think_start.startswith(lead):  # the marker may be coming
+                return []
+            else:
+                self._state, text = self._machine.make_state("normal"), self._head
+        self._state, segments = TextStateMachine.split(self._state, text)
+        out: list[tuple[str, object]] = []
+        for state, piece in segments:
+            if self._last == "tool" and state != "tool":  # the block ended
+                out += self._tool_call(self._tool)
+                self._tool = ""
+            elif self._last == "reasoning" and state == "normal":
+                self._after_think = True
+            self._last = state
+            if state.startswith("stop:"):
+                self.stopped, self.stop_sequence = True, self.stop[int(state[5:])]
+                break
+            if state == "tool":
+                self._tool += piece
+            elif state == "reasoning":
+                out += self._reasoning(piece)
+            else:
+                out += self._content(piece)
         return out
 
     def _content(self, text: str) -> list[tuple[str, object]]:
-        if self.after_think:
+        if self._after_think:
             text = text.lstrip()
-            self.after_think = not text
+            self._after_think = not text
         if not text:
             return []
         self.text += text
@@ -162,96 +213,43 @@ class ChoiceText:
         self.reasoning += text
         return [("reasoning", text)]
 
-    def _drain_reasoning(self, final: bool) -> tuple[list[tuple[str, object]], bool]:
-        """Handle the think block's start and inside; (deltas, whether to go on draining)."""
-        if self.at_start:
-            head = self.pending.lstrip()
-            if head.startswith(self.think_start):
-                self.pending, self.at_start, self.in_think = \
-                    head[len(self.think_start):], False, True
-                return [], True
-            if not final and self.think_start.startswith(head):  # the marker may be coming
-                return [], False
-            self.at_start = False
-            return [], True
-        markers = [self.think_end] + self.stop
-        hits = [(i, m) for i, m in ((self.pending.find(m), m) for m in markers) if i >= 0]
-        if hits:
-            i, marker = min(hits, key=lambda h: h[0])
-            out = self._reasoning(self.pending[:i])
-            self.pending = self.pending[i + len(marker):]
-            if marker == self.think_end:
-                self.in_think, self.after_think = False, True
-            else:
-                self.stopped, self.stop_sequence, self.pending = True, marker, ""
-            return out, True
-        keep = 0 if final else _partial_marker_len(self.pending, markers)
-        out = self._reasoning(self.pending[: len(self.pending) - keep])
-        self.pending = self.pending[len(self.pending) - keep:]
-        return out, False
-
-    def _drain(self, final: bool) -> list[tuple[str, object]]:
-        out: list[tuple[str, object]] = []
-        while self.pending and not self.stopped:
-            if self.at_start or self.in_think:
-                deltas, go_on = self._drain_reasoning(final)
-                out += deltas
-                if not go_on:
-                    return out
-                continue
-            if self.in_tool:
-                end = self.pending.find(self.tool_end)
-                if end < 0:
-                    return out
-                block, self.pending = self.pending[:end], self.pending[end + len(self.tool_end):]
-                self.in_tool = False
-                call = self._parse_tool_call(block)
-                if call is None:
-                    out += self._content(self.tool_start + block + self.tool_end)
-                else:
-                    self.tool_calls.append(call)
-                    out.append(("tool_call", call))
-                continue
-            hits = [(self.pending.find(m), m) for m in self._markers]
-            hits = [(i, m) for i, m in hits if i >= 0]
-            if hits:
-                i, marker = min(hits, key=lambda h: h[0])
-                out += self._content(self.pending[:i])
-                self.pending = self.pending[i + len(marker):]
-                if marker == self.tool_start and marker not in self.stop:
-                    self.in_tool = True
-                else:
-                    self.stopped, self.stop_sequence, self.pending = True, marker, ""
-                continue
-            keep = 0 if final else _partial_marker_len(self.pending, self._markers)
-            out += self._content(self.pending[: len(self.pending) - keep])
-            self.pending = self.pending[len(self.pending) - keep:]
-            return out
+    def _tool_call(self, block: str) -> list[tuple[str, object]]:
+        try:
+            parsed = self.tokenizer.tool_parser(block, self.tools)
+            calls = [(p["name"], p.get("arguments", {}))
+                     for p in (parsed if isinstance(parsed, list) else [parsed])]
+        except Exception:  # not a call after all: the text stays, markers and all
+            calls = None
+        if not calls or not all(isinstance(name, str) for name, _ in calls):
+            return self._content(self.tool_start + block + (self.tokenizer.tool_call_end or ""))
+        out = []
+        for name, arguments in calls:
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            call = {"id": protocol.tool_call_id(), "type": "function",
+                    "function": {"name": name, "arguments": arguments}}
+            self.tool_calls.append(call)
+            out.append(("tool_call", call))
         return out
 
-    def _parse_tool_call(self, block: str) -> dict | None:
-        try:
-            parsed = self.tokenizer.tool_parser(block, None)
-            name, arguments = parsed["name"], parsed.get("arguments", {})
-        except Exception:
-            return None
-        if not isinstance(name, str):
-            return None
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        return {"id": protocol.tool_call_id(), "type": "function",
-                "function": {"name": name, "arguments": arguments}}
 
-
-def _partial_marker_len(text: str, markers: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of some marker."""
-    best = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
-                break
-    return best
+@functools.lru_cache(maxsize=256)
+def _machine(tokenizer, stop: tuple[str, ...], tool_start: str | None,
+             reasoning: tuple[str, str] | None) -> TextStateMachine:
+    """States normal, reasoning and tool; a stop string leads to a state of its own (stop:i)
+    from normal and reasoning, and ends the choice. Structural markers (mlx-lm's, for models
+    that wrap the answer in them) are stripped from the content."""
+    stops = [(s, f"stop:{i}") for i, s in enumerate(stop)]
+    normal = [(m, "normal") for m in tokenizer.structural_markers]
+    transitions = {"normal": normal, "tool": [], **{f"stop:{i}": [] for i in range(len(stop))}}
+    if tool_start:
+        normal.append((tool_start, "tool"))
+        end = tokenizer.tool_call_end
+        transitions["tool"] = [(end, "normal")] if end else []
+    if reasoning:
+        transitions["reasoning"] = [(reasoning[1], "normal")] + stops
+    normal += stops  # after tool_start: a stop string that is also the marker stops
+    return TextStateMachine(transitions)
 
 
 @dataclass
@@ -288,21 +286,7 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     return cache[token_id]
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    # GPT-2's reversible byte <-> printable-character mapping, inverted.
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-BYTE_LEVEL = _byte_level_alphabet()
+BYTE_LEVEL = {c: b for b, c in bytes_to_unicode().items()}  # GPT-2's byte alphabet, inverted
 _TOKEN_BYTES: dict[int, dict[int, bytes]] = {}
 _ADDED: dict[int, set] = {}
 
@@ -336,7 +320,7 @@ class Generation:
         parse_tools = prompt.tools is not None
         markers = reasoning_markers(tokenizer) if reasoning else None
         opened = markers is not None and prompt_opens_reasoning(tokenizer, prompt.ids, markers)
-        self.texts = [ChoiceText(tokenizer, req.stop, parse_tools, markers, opened)
+        self.texts = [ChoiceText(tokenizer, req.stop, parse_tools, markers, opened, prompt.tools)
                       for _ in params]
         self.jobs = []
         for i, p in enumerate(params):

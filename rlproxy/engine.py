@@ -4,7 +4,9 @@ One long-lived thread runs mlx-lm's `BatchGenerator` (continuous batching: reque
 leave between steps). The asyncio side talks to it only through `submit`, `cancel` and
 `publish_adapter`, which put messages in an inbox; results cross back with
 `loop.call_soon_threadsafe`. Nothing here knows HTTP, text, stop strings or sessions: the engine
-takes token ids and gives token ids with their log-probs.
+takes token ids and gives token ids with their log-probs (the records are jobs.py). Sampling
+rules are sampler.py; how a job's prompt KV gets ready (prefix-cache restore on a loader thread,
+long prompts prefilled chunk by chunk between decode steps) is prefill.py.
 
 With a prefix cache (prefix_cache.py), each new job starts from the longest stored prefix of its
 prompt under the adapter now served or, with `--kv-reuse-max-lag N`, one of the N before it, and
@@ -15,96 +17,32 @@ the one served when the job started (an adapter swap during its life only makes 
 store refuses it once that adapter is more than N versions old.
 
 What a stored log-prob is: log-softmax of the model's logits at temperature 1 (after logit_bias
-and penalties when a request asks for them), *before* temperature, top_k and top_p. Sampling
-then applies temperature first, top_k and top_p after, in OpenAI's order (mlx-lm's own sampler
-filters top_p before temperature). Training recomputes the same temperature-1 quantity.
+and penalties when a request asks for them), *before* temperature, top_k and top_p.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_logits_processors
 
 from rlproxy import metrics
+from rlproxy.jobs import Job, SamplingParams, Step, Token  # noqa: F401  (the engine's interface)
 from rlproxy.kv_blobs import adapter_fingerprint, weights_fingerprint
+from rlproxy.mlx_threads import mlx_thread
+from rlproxy.prefill import Loader, PrefillLane
 from rlproxy.prefix_cache import PrefixCache
+from rlproxy.sampler import make_processors, make_sampler
 
 log = logging.getLogger("rlproxy.engine")
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off (Anthropic's top_k; vLLM's extension to Chat Completions)
-    seed: int | None = None  # None: a fresh random seed, reported back so the run can be redone
-    top_logprobs: int = 0
-    logit_bias: dict[int, float] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-
-@dataclass
-class Token:
-    id: int
-    logprob: float
-    adapter_version: int
-    top: list[tuple[int, float]] | None = None
-
-
-@dataclass
-class Step:
-    """What one request got from one engine step: a token, maybe the end, maybe an error."""
-
-    token: Token | None = None
-    finish_reason: str | None = None  # "stop" (end token) | "length" | "error"
-    error: str | None = None
-
-
-@dataclass
-class Job:
-    prompt_ids: list[int]
-    params: SamplingParams
-    deliver: Callable[[Step], None]  # called on the engine thread; must be thread-safe
-    uid: int | None = None
-    done: bool = False
-    submitted_at: float = field(default_factory=time.perf_counter)
-    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
-    cached_version: int | None = None  # the adapter version that computed those tokens' KV
-    kv_source: tuple | None = None  # (version, namespace) of the oldest adapter in its KV
-    adapter: str | None = None  # a named adapter (add_adapter) to sample from; None: the live one
-
-
-def make_sampler(temperature: float, top_p: float, seed: int, top_k: int = 0):
-    """A per-request sampler with its own PRNG key: the same seed gives the same tokens."""
-    if temperature == 0:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
-    key = mx.random.key(seed % 2**64)  # MLX keys take uint64; OpenAI seeds may be negative
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        scaled = logprobs * (1.0 / temperature)
-        if 0 < top_k < scaled.shape[-1]:  # a k at or past the vocabulary keeps every token
-            scaled = apply_top_k(scaled, top_k)
-        if top_p < 1.0:
-            scaled = apply_top_p(scaled - mx.logsumexp(scaled, axis=-1, keepdims=True), top_p)
-        return mx.random.categorical(scaled, key=sub)
-
-    return sample
 
 
 class Engine:
@@ -117,23 +55,39 @@ class Engine:
         self.eos_token_ids = sorted(eos_token_ids)
         self.max_batch = max_batch
         self.prefill_step_size = prefill_step_size
+        # A prompt with more left to prefill goes through the lane; a batch of shorter ones that
+        # BatchGenerator prefills together still fits in one chunk.
+        self.direct_prefill = max(1, prefill_step_size // min(8, max_batch))
         self.adapter_version = 0
         self.error: str | None = None  # set if the thread died; /healthz reports it
         self.stats = {"requests": 0, "active": 0, "tokens": 0, "steps": 0, "swaps": 0,
-                      "last_swap_ms": 0.0}
+                      "last_swap_ms": 0.0, "prefill_chunks": 0, "last_prefill_chunk_ms": 0.0,
+                      "max_prefill_chunk_ms": 0.0}  # the longest a prefill held decoding up
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._running = False
         self._thread: threading.Thread | None = None
+        self._loader: Loader | None = None
+        self._gen: BatchGenerator | None = None
+        self._jobs: dict[int, Job] = {}  # in the live BatchGenerator, by uid
+        self._named: dict[str, tuple] = {}  # adapter name -> (its BatchGenerator, {uid: Job})
+        self._lane = PrefillLane(model, prefill_step_size)
 
     # ---- entry points (any thread) ----
 
     def start(self) -> None:
         self._running = True
+        if self.prefix_cache is not None:
+            # Before the loader's first lookup; the model's arrays are evaluated (model.py).
+            self.prefix_cache.set_adapter(self.adapter_version, adapter_fingerprint(self.model))
+            self._loader = Loader(self.prefix_cache, lambda job: self._post("submit", job))
         self._thread = threading.Thread(target=self._run, name="rlproxy-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        if self._loader is not None:
+            for job in self._loader.stop():
+                self._post("submit", job)  # failed by the engine thread on its way out
         self._running = False
         self._wake.set()
         if self._thread is not None:
@@ -146,97 +100,97 @@ class Engine:
     def submit(self, job: Job) -> Job:
         if job.params.seed is None:
             job.params.seed = secrets.randbits(63)
-        self._inbox.append(("submit", job))
-        self._wake.set()
+        if self._loader is not None and job.adapter is None:
+            self._loader.submit(job)  # its cached prefix is restored there, off this thread
+        else:
+            self._post("submit", job)
         return job
 
     def busy(self) -> bool:
         """Requests waiting to start or decoding (thread-safe): the trainer yields meanwhile."""
-        return bool(self._inbox) or self.stats["active"] > 0
+        loading = self._loader is not None and self._loader.busy()
+        return bool(self._inbox) or loading or self.stats["active"] > 0
 
     def cancel(self, job: Job) -> None:
-        self._inbox.append(("cancel", job))
-        self._wake.set()
+        self._post("cancel", job)
 
     def publish_adapter(self, weights: dict[str, mx.array], version: int) -> None:
         """Hand over an *evaluated* adapter; it is applied between two decode steps."""
         # The prefix cache's key for this adapter is hashed here, on the publisher's thread,
         # not on the engine thread between two decode steps.
         fingerprint = weights_fingerprint(weights) if self.prefix_cache is not None else None
-        self._inbox.append(("adapter", (weights, version, fingerprint)))
-        self._wake.set()
+        self._post("adapter", (weights, version, fingerprint))
 
     def add_adapter(self, name: str, model: nn.Module) -> None:
         """Serve MODEL (the serving model's base arrays with LoRA weights of its own, already
         evaluated) to jobs whose `adapter` is NAME; every other job keeps the live adapter."""
-        self._inbox.append(("add_adapter", (name, model)))
-        self._wake.set()
+        self._post("add_adapter", (name, model))
 
     def drop_adapter(self, name: str) -> None:
-        self._inbox.append(("drop_adapter", (name, None)))
+        self._post("drop_adapter", (name, None))
+
+    def _post(self, kind: str, payload) -> None:
+        self._inbox.append((kind, payload))
         self._wake.set()
 
     # ---- the thread ----
 
     def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as e:  # surfaced on /healthz; the server keeps answering
-            log.exception("engine thread died")
-            self.error = f"{type(e).__name__}: {e}"
-            self._fail_all(self.error)
-        finally:
-            # Free MLX objects on the thread that made them: destroying them at interpreter
-            # exit from another thread aborts the process.
-            self._fail_all("the engine stopped")
-            if getattr(self, "_gen", None) is not None:
-                self._gen.close()
-                self._gen = None
-            for gen, _ in getattr(self, "_named", {}).values():
-                gen.close()
-            gc.collect()  # drop per-request samplers (lazy PRNG keys) here, not at exit
-            mx.synchronize()
-            mx.clear_streams()  # each MLX thread must, or the process can abort at exit
+        # mlx_thread: this thread's own stream, and its MLX objects freed here, not at exit.
+        with mlx_thread() as stream:
+            self._stream = stream
+            try:
+                self._loop()
+            except BaseException as e:  # surfaced on /healthz; the server keeps answering
+                log.exception("engine thread died")
+                self.error = f"{type(e).__name__}: {e}"
+            finally:
+                self._fail_all(self.error or "the engine stopped")
+                for gen in [self._gen, *(g for g, _ in self._named.values())]:
+                    if gen is not None:
+                        gen.close()
+                self._gen, self._named = None, {}
 
     def _new_generator(self, model: nn.Module | None = None) -> BatchGenerator:
-        # The stream is made on this thread: MLX streams are per thread.
         return BatchGenerator(
             model or self.model,
             stop_tokens=[[t] for t in self.eos_token_ids],
             completion_batch_size=self.max_batch,
             prefill_batch_size=min(8, self.max_batch),
             prefill_step_size=self.prefill_step_size,
-            stream=mx.new_stream(mx.default_device()),
+            stream=self._stream,  # this thread's: MLX streams are per thread
         )
 
     def _loop(self) -> None:
         self._gen = self._new_generator()
-        if self.prefix_cache is not None:
-            self.prefix_cache.set_adapter(self.adapter_version, adapter_fingerprint(self.model))
-        self._jobs: dict[int, Job] = {}
-        self._named: dict[str, tuple] = {}  # adapter name -> (its BatchGenerator, {uid: Job})
         # A token returned by a step was sampled from logits of the previous step's forward
         # pass (BatchGenerator pipelines one step ahead), so it carries that step's version.
         previous_version = self.adapter_version
         while self._running:
             self._drain_inbox()
             self._step_named()  # named adapters' requests: one step each, between live steps
-            if not self._jobs:
-                self.stats["active"] = 0
+            self.stats["active"] = len(self._jobs) + len(self._lane)
+            if not self._jobs and not self._lane:
                 if not any(jobs for _, jobs in self._named.values()):
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                 previous_version = self.adapter_version
                 continue
+            if self._lane.due(decoding=bool(self._jobs)):
+                self._prefill_chunk()
+            if not self._jobs:
+                previous_version = self.adapter_version
+                continue
+            tic = time.perf_counter()
             try:
                 _, responses = self._gen.next()
             except Exception as e:  # one bad batch fails its requests, not the server
                 log.exception("decode step failed")
-                self._fail_all(f"{type(e).__name__}: {e}")
+                self._fail_jobs(self._jobs, f"{type(e).__name__}: {e}")
                 self._gen = self._new_generator()
                 continue
+            self._lane.decoded(time.perf_counter() - tic)
             self.stats["steps"] += 1
-            self.stats["active"] = len(self._jobs)
             if responses:
                 self._deliver(responses, previous_version)
             previous_version = self.adapter_version
@@ -247,19 +201,7 @@ class Engine:
             if kind == "submit":
                 self._insert(payload)
             elif kind == "cancel":
-                job = payload
-                if job.adapter is not None:
-                    self._cancel_named(job)
-                    continue
-                if job.uid is not None and job.uid in self._jobs:
-                    if self.prefix_cache is None:
-                        self._gen.remove([job.uid])
-                    else:
-                        kept = self._gen.remove([job.uid], return_prompt_caches=True)
-                        if job.uid in kept:
-                            self._store(job, *kept[job.uid])
-                    del self._jobs[job.uid]
-                job.done = True
+                self._cancel(payload)
             elif kind == "adapter":
                 weights, version, fingerprint = payload
                 tic = time.perf_counter()
@@ -274,39 +216,79 @@ class Engine:
                 self._change_named(kind, payload)
 
     def _insert(self, job: Job) -> None:
-        if job.done:  # cancelled before it started
+        if job.done or not self._running:  # cancelled before it started, or shutting down
+            if not job.done:
+                self._fail(job, "the engine stopped")
             return
         if job.adapter is not None:
             return self._insert_named(job)
-        p = job.params
-        processors = make_logits_processors(
-            logit_bias=p.logit_bias,
-            presence_penalty=p.presence_penalty or None,
-            frequency_penalty=p.frequency_penalty or None,
-        )
-        restored = {}
+        restored, job.restored = job.restored, None
         if self.prefix_cache is not None:
-            cache, job.cached_tokens, job.kv_source = self.prefix_cache.fetch(job.prompt_ids)
-            if cache is not None:  # the prefix's tokens still count for penalties
+            served = self.prefix_cache.served()
+            if restored is None or job.kv_source not in self.prefix_cache.window():
+                # a miss, or an adapter swap since the lookup outran the window: start afresh
+                restored, job.cached_tokens, job.kv_source = None, 0, served
+            else:  # the prefix's tokens count as prompt for the sampler's context
                 job.cached_version = job.kv_source[0]
-                restored = {"caches": [cache], "all_tokens": [job.prompt_ids[:job.cached_tokens]]}
+        self.stats["requests"] += 1
+        if len(job.prompt_ids) - job.cached_tokens > self.direct_prefill:
+            self._lane.add(job, restored)  # prefilled a chunk at a time, between decode steps
+        else:
+            self._start(job, restored, job.cached_tokens)
+        self.stats["active"] = len(self._jobs) + len(self._lane)  # the judge yields now
+
+    def _start(self, job: Job, cache: list | None, done: int) -> None:
+        """Hand the job to the BatchGenerator with KV for prompt_ids[:done] (or none)."""
+        p = job.params
+        restored = {"caches": [cache], "all_tokens": [job.prompt_ids[:done]]} if cache else {}
         try:
             (uid,) = self._gen.insert(
-                [job.prompt_ids[job.cached_tokens:]],
+                [job.prompt_ids[done:]],
                 max_tokens=[p.max_tokens],
                 samplers=[make_sampler(p.temperature, p.top_p, p.seed, p.top_k)],
-                logits_processors=[processors],
+                logits_processors=[make_processors(p.logit_bias, p.presence_penalty,
+                                                   p.frequency_penalty)],
                 stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])],
                 **restored,
             )
         except Exception as e:
-            job.done = True
-            job.deliver(Step(finish_reason="error", error=f"{type(e).__name__}: {e}"))
+            self._fail(job, f"{type(e).__name__}: {e}")
             return
         job.uid = uid
         self._jobs[uid] = job
-        self.stats["requests"] += 1
-        self.stats["active"] = len(self._jobs)  # before its prefill: the judge yields now
+
+    def _prefill_chunk(self) -> None:
+        item = self._lane.next()
+        try:
+            ready = self._lane.run(item)
+        except Exception as e:  # this prompt fails, nothing else
+            log.exception("prefill chunk failed")
+            self._lane.remove(item.job)
+            self._fail(item.job, f"{type(e).__name__}: {e}")
+            return
+        chunk_ms = self._lane.last_chunk_s * 1000
+        self.stats["prefill_chunks"] = self._lane.chunks
+        self.stats["last_prefill_chunk_ms"] = chunk_ms
+        self.stats["max_prefill_chunk_ms"] = max(self.stats["max_prefill_chunk_ms"], chunk_ms)
+        if ready:
+            self._start(item.job, item.cache, item.done)
+
+    def _cancel(self, job: Job) -> None:
+        if job.adapter is not None:
+            return self._cancel_named(job)
+        if job.uid is not None and job.uid in self._jobs:
+            if self.prefix_cache is None:
+                self._gen.remove([job.uid])
+            else:
+                kept = self._gen.remove([job.uid], return_prompt_caches=True)
+                if job.uid in kept:
+                    self._store(job, *kept[job.uid])
+            del self._jobs[job.uid]
+        else:
+            item = self._lane.remove(job)
+            if item is not None and self.prefix_cache is not None:  # what it prefilled so far
+                self._store(job, item.cache, job.prompt_ids[:item.done])
+        job.done = True
 
     def _deliver(self, responses, version: int) -> None:
         live = [r for r in responses if r.uid in self._jobs]
@@ -341,18 +323,27 @@ class Engine:
             prompt_end = min(len(job.prompt_ids), len(tokens))
             self.prefix_cache.put(list(tokens), cache, [prompt_end, len(tokens)], job.kv_source)
 
-    def _fail_all(self, message: str) -> None:
-        for _, jobs in getattr(self, "_named", {}).values():
-            for job in list(jobs.values()):
-                job.done = True
-                job.deliver(Step(finish_reason="error", error=message))
-            jobs.clear()
-        for job in list(getattr(self, "_jobs", {}).values()):
-            job.done = True
-            job.deliver(Step(finish_reason="error", error=message))
-        if hasattr(self, "_jobs"):
-            self._jobs.clear()
+    def _fail(self, job: Job, message: str) -> None:
+        job.done = True
+        job.deliver(Step(finish_reason="error", error=message))
 
+    def _fail_jobs(self, jobs: dict, message: str) -> None:
+        for job in list(jobs.values()):
+            self._fail(job, message)
+        jobs.clear()
+
+    def _fail_all(self, message: str) -> None:
+        self._running = False
+        for _, jobs in self._named.values():
+            self._fail_jobs(jobs, message)
+        self._fail_jobs(self._jobs, message)
+        for item in list(self._lane.items):
+            self._lane.remove(item.job)
+            self._fail(item.job, message)
+        while self._inbox:  # submits that will never start
+            kind, payload = self._inbox.popleft()
+            if kind == "submit" and not payload.done:
+                self._fail(payload, message)
 
     # ---- named adapters: a BatchGenerator each, stepped in turn with the live one ----
 
@@ -360,9 +351,7 @@ class Engine:
         name, model = payload
         old = self._named.pop(name, None)
         if old is not None:
-            for job in old[1].values():
-                job.done = True
-                job.deliver(Step(finish_reason="error", error=f"adapter {name!r} was replaced"))
+            self._fail_jobs(old[1], f"adapter {name!r} was replaced")
             old[0].close()
         if kind == "add_adapter":
             self._named[name] = (self._new_generator(model), {})
@@ -372,17 +361,14 @@ class Engine:
         try:
             if lane is None:
                 raise KeyError(f"no adapter named {job.adapter!r} is loaded")
-            processors = make_logits_processors(
-                logit_bias=p.logit_bias, presence_penalty=p.presence_penalty or None,
-                frequency_penalty=p.frequency_penalty or None)
             (uid,) = lane[0].insert(
                 [job.prompt_ids], max_tokens=[p.max_tokens],
                 samplers=[make_sampler(p.temperature, p.top_p, p.seed, p.top_k)],
-                logits_processors=[processors],
+                logits_processors=[make_processors(p.logit_bias, p.presence_penalty,
+                                                   p.frequency_penalty)],
                 stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])])
         except Exception as e:
-            job.done = True
-            job.deliver(Step(finish_reason="error", error=f"{type(e).__name__}: {e}"))
+            self._fail(job, f"{type(e).__name__}: {e}")
             return
         job.uid = uid
         lane[1][uid] = job
@@ -396,10 +382,7 @@ class Engine:
                 _, responses = gen.next()
             except Exception as e:  # this adapter's requests fail, nothing else
                 log.exception("decode step for adapter %s failed", name)
-                for job in jobs.values():
-                    job.done = True
-                    job.deliver(Step(finish_reason="error", error=f"{type(e).__name__}: {e}"))
-                jobs.clear()
+                self._fail_jobs(jobs, f"{type(e).__name__}: {e}")
                 self._change_named("add_adapter", (name, gen.model))  # a fresh generator
                 continue
             for r in responses:

@@ -78,7 +78,7 @@ class LocalJudge:
     def _generate(self, messages, temperature, max_tokens, seed) -> str:
         from mlx_lm.generate import generate_step
 
-        from rlproxy.engine import make_sampler
+        from rlproxy.sampler import make_sampler
 
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         import mlx.core as mx

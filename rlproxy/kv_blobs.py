@@ -1,7 +1,8 @@
 """The prefix cache's entries as keys and bytes: block hashes, adapter and model fingerprints,
-the index key of an entry, and the CRC-checked blob format (pack/unpack) with its restore into
-mlx-lm KV caches. Pure functions and one record type; the store itself (index, memory tier,
-disk, writer thread, eviction) is prefix_cache.py.
+the index key of an entry, the CRC-checked blob format (pack/unpack), and the mlx-lm KV caches an
+entry becomes (`to_caches` for the memory tier, `fresh_kv` for a request). Pure functions and one
+record type; the store itself (index, memory tier, disk, writer thread, eviction) is
+prefix_cache.py.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 MAGIC = b"RLPKV\x00\x01\x00"  # + u64 body length + u32 CRC-32 of the body
-FORMAT = 1
+FORMAT = 2  # 2: disk entries are tagged with their namespace (diskcache evict by tag)
 
 
 class CorruptEntry(Exception):
@@ -165,18 +166,38 @@ def unpack(blob: bytes, verify: bool) -> tuple[np.ndarray, dict, list[mx.array]]
         raise CorruptEntry(f"unreadable: {e}") from None
 
 
-def to_kv_cache(meta: dict, arrays: list[mx.array]) -> list[KVCache]:
-    quant = meta["quant"]  # [group_size, bits] or None
-    per_layer = 6 if quant else 2
+def to_caches(quant: list | None, arrays: list[mx.array], length: int) -> list:
+    """An entry's arrays (per layer: keys, values; or the 3 parts of each when quantized) as
+    mlx-lm caches holding LENGTH tokens, for the memory tier (LRUPromptCache)."""
     caches = []
-    for i in range(0, len(arrays), per_layer):
-        if quant:
-            group, bits = quant
-            keys = mx.dequantize(*arrays[i:i + 3], group_size=group, bits=bits)
-            values = mx.dequantize(*arrays[i + 3:i + 6], group_size=group, bits=bits)
-        else:
-            keys, values = arrays[i:i + 2]
+    if quant:
+        for i in range(0, len(arrays), 6):
+            c = QuantizedKVCache(group_size=quant[0], bits=quant[1])
+            c.keys, c.values, c.offset = tuple(arrays[i:i + 3]), tuple(arrays[i + 3:i + 6]), length
+            caches.append(c)
+        return caches
+    for i in range(0, len(arrays), 2):
         c = KVCache()
-        c.state = (keys, values, keys.shape[2])
+        c.state = (arrays[i], arrays[i + 1], length)
         caches.append(c)
     return caches
+
+
+def fresh_kv(caches: list, n: int) -> list[KVCache]:
+    """Plain full-precision caches over the first N tokens of CACHES, in new arrays (lazy:
+    evaluate them on the calling thread). A request may write into them; the entry it came from
+    never changes. Quantized entries are dequantized here: BatchGenerator cannot batch a
+    QuantizedKVCache."""
+    out = []
+    for c in caches:
+        if isinstance(c, QuantizedKVCache):
+            keys, values = (mx.dequantize(*(a[..., :n, :] for a in parts),
+                                          group_size=c.group_size, bits=c.bits)
+                            for parts in (c.keys, c.values))
+        else:
+            keys, values = c.keys[..., :n, :], c.values[..., :n, :]
+        kv = KVCache()
+        kv.state = (keys, values, n)
+        out.append(kv)
+    return out
+

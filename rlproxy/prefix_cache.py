@@ -2,10 +2,11 @@
 
 Agent prompts are long and mostly repeated (system prompt, tool schemas, the conversation so far),
 so the engine asks this store for the longest stored prefix of each new prompt and prefills only
-the rest. This module owns the entries, their index, an in-memory LRU, a `diskcache` directory
+the rest. This module owns the entries, the memory tier, a `diskcache` directory
 (`<data_dir>/prefix_cache/`), one writer thread and the counters /healthz shows. It does not own
-the model or the decode loop: engine.py decides when to look up and when to store.
-The entries' keys, hashes and byte format are kv_blobs.py.
+the model or the decode loop: engine.py decides when to store, and prefill.py's loader thread
+looks up. Keys, hashes and the byte format are kv_blobs.py, the block index kv_index.py, and
+which adapters' KV may be reused (`--kv-reuse-max-lag`, by ancestry) kv_lineage.py.
 
 - **Entry**: the KV state (every layer's keys and values) of one token sequence, a request's
   prompt + completion. At a request's end mlx-lm's BatchGenerator holds KV for the prompt and
@@ -15,31 +16,33 @@ The entries' keys, hashes and byte format are kv_blobs.py.
   (version + a fingerprint of the LoRA weights, so a restart that reuses a version number with
   other weights never matches). An entry whose tokens are a prefix of a newer one is dropped:
   a session keeps one entry that grows turn by turn.
-- **Stale reuse** (`--kv-reuse-max-lag N`): a lookup also accepts entries computed under the
-  N adapters that preceded the one served (its *window*), so a trainer step does not throw
-  every agent's prefix away. Ancestry is by fingerprint, not by number: version v+1 published
-  right after v in one process is v's child, and those links are kept in `lineage.json` so a
-  restart that resumes a served adapter keeps its window. An entry is stored under the *oldest*
-  adapter whose KV it holds (the engine says which), so no token's KV is ever more than N
-  versions old: staleness stays bounded instead of compounding turn after turn. N = 0 accepts
-  the served adapter's own entries only.
-- **Lookup**: chained hashes of fixed-size token blocks (`prefix_block_tokens`) find the entries
-  sharing the most whole blocks with the prompt; hashes of each entry's turn boundaries (prompt
-  end, completion end, earlier turns') find exact-length prefixes inside a block. The chosen
-  entry's own tokens then give the exact common prefix; the entry is trimmed to it
-  (`trim_prompt_cache`), leaving at least one prompt token to prefill. Every restore builds
-  fresh arrays: a request never shares KV with another.
+- **Stale reuse**: a lookup also accepts entries of the N adapters before the one served. An
+  entry is stored under the *oldest* adapter whose KV it holds (the engine says which), so no
+  token's KV is ever more than N versions old: staleness stays bounded instead of compounding.
+- **Lookup** (on the loader thread, never the engine's): the block index ranks the entries of
+  the window by how much of the prompt they share; the best one's namespace is asked of the
+  memory tier, else its blob is read from disk. The KV handed out is trimmed to the exact
+  common prefix, leaving at least one prompt token to prefill, in fresh arrays: a request never
+  shares KV with another or with the store.
+- **Memory tier**: mlx-lm's `LRUPromptCache` (a token trie per namespace, a byte budget,
+  entries superseded by a longer one dropped), holding the KV as mlx-lm caches, quantized when
+  the entry is. Ours stays in front of it: the disk tier and its CRC, and the block index that
+  says which namespace to ask (asking each namespace of the window would deep-copy KV from
+  every one that matches). Entries the index forgets (evicted from disk, or of an adapter past
+  the window) are never asked for and age out of the LRU.
 - **Writes** happen on the writer thread: the engine thread only evaluates the extracted KV
-  (MLX arrays must be evaluated on the thread that built them) and queues it; serialization,
-  quantization, hashing and disk IO run there. A full queue drops the write, never blocks decode.
-  Until the writer has indexed it, a queued write serves lookups from its own arrays, so an
-  agent's next request that arrives within milliseconds still hits.
+  (MLX arrays must be evaluated on the thread that built them) and queues it; quantization,
+  serialization, hashing, disk IO and the memory tier run there. A full queue drops the write,
+  never blocks decode. Until the writer has stored it, a queued write serves lookups from its
+  own arrays, so an agent's next request that arrives within milliseconds still hits. The
+  engine thread and `counters` never wait for a lookup: they share only a short-held lock.
 - **Integrity**: each blob carries a magic, its length and a CRC-32; a truncated or altered
   entry (e.g. after a crash) is counted, deleted and never served.
 - **Eviction**: the disk budget covers the entries plus diskcache's SQLite file (not its WAL).
-  Publishing adapter version v deletes entries older than v - N (never served again); under
-  budget pressure entries outside the window (other adapters, models or KV settings) go first,
-  then diskcache culls the least recently used. One server per data directory.
+  Each disk entry is tagged with its namespace; publishing adapter version v evicts the tags of
+  versions older than v - N (never served again: diskcache's `evict(tag)`). Under budget
+  pressure entries outside the window go first, then the least recently written or read, one at
+  a time (diskcache's `cull` deletes ten at once). One server per data directory.
 - **KV quantization** (`--kv-bits`, `--kv-group-size`, `--quantized-kv-start`) applies to
   *stored entries only*: entries of at least `quantized_kv_start` tokens are kept quantized in
   memory and on disk (4-8x smaller) and dequantized on restore, so their output is close to,
@@ -51,25 +54,26 @@ The entries' keys, hashes and byte format are kv_blobs.py.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import json
 import logging
 import queue
 import threading
-from collections import Counter, OrderedDict
 from pathlib import Path
 
 import diskcache
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
 
 from rlproxy.kv_blobs import (
-    FORMAT, CorruptEntry, Entry, block_hashes, common_prefix, digest, end_hash, model_key, pack,
-    to_kv_cache, unpack,
+    FORMAT, CorruptEntry, Entry, block_hashes, common_prefix, digest, end_hash, fresh_kv,
+    model_key, pack, to_caches, unpack,
 )
+from rlproxy.kv_index import BlockIndex
+from rlproxy.kv_lineage import Lineage
+from rlproxy.mlx_threads import mlx_thread
 from rlproxy.settings import CacheSettings
 
 log = logging.getLogger("rlproxy.prefix_cache")
@@ -77,16 +81,13 @@ log = logging.getLogger("rlproxy.prefix_cache")
 MAX_ENDS = 32  # turn boundaries remembered per entry
 MAX_PENDING = 8  # queued writes hold KV arrays in memory; past this a write is dropped
 CANDIDATES = 3  # entries tried per lookup when the best ones turn out corrupt or gone
-LINEAGE = "lineage.json"  # the window's (version, namespace) links, newest first
 LIVE_KV = ("full precision: mlx-lm's BatchGenerator has no kv_bits and cannot batch a "
            "QuantizedKVCache, so --kv-bits applies to stored entries only")
 
 
-# ---- the store ----
-
 class PrefixCache:
-    """Thread use: `set_adapter`, `fetch` and `put` on the engine thread; `counters` anywhere;
-    everything that writes runs on the store's own writer thread."""
+    """Thread use: `set_adapter` and `put` on the engine thread, `fetch` on the loader thread,
+    `counters` anywhere; everything that writes runs on the store's own writer thread."""
 
     def __init__(self, directory: str | Path, settings: CacheSettings, model_identity: str,
                  unsupported: str | None = None):
@@ -101,18 +102,11 @@ class PrefixCache:
         self.disk_limit = int(settings.prefix_cache_disk_limit_gb * 1024**3)
         self.memory_limit = int(settings.prefix_cache_memory_mb * 1024**2)
         self.max_lag = settings.kv_reuse_max_lag
-        self.version, self.ns = 0, None  # set by the engine (set_adapter) before any lookup
-        self._window: list[tuple[int, str]] = []  # (version, ns) servable now, newest first
-        self._parents = self._read_lineage()  # ns -> (version, ns) of the adapter it came from
-        self._resets: set[int] = set()  # versions that start a lineage of their own (rollback)
-        self._seen: dict[str, int] = {}  # fingerprint -> the version first served with it
-        self._lock = threading.Lock()  # index, memory LRU, counters
-        self._entries: dict[str, Entry] = {}
-        self._by_block: dict[str, set[str]] = {}  # block hash -> keys of entries containing it
-        self._short: dict[str, set[str]] = {}  # ns -> keys with a boundary inside the 1st block
-        self._memory: OrderedDict[str, bytes] = OrderedDict()
-        self._memory_bytes = 0
-        self._seq = 0
+        self._lineage = Lineage(self.directory, self.base, self.max_lag)
+        self._lock = threading.Lock()  # index and memory tier: lookups and the writer
+        self._small = threading.Lock()  # counters and queued writes: never held for long
+        self._index = BlockIndex(self.block)
+        self._memory = LRUPromptCache(max_size=1 << 30, max_bytes=self.memory_limit)
         self._pending: dict[int, tuple[str, int, np.ndarray, list]] = {}  # queued writes
         self._write_ids = itertools.count()
         self.stats = dict.fromkeys(
@@ -124,6 +118,7 @@ class PrefixCache:
         self._disk = diskcache.Cache(
             str(self.directory), size_limit=self.disk_limit, cull_limit=0,  # we cull, after
             eviction_policy="least-recently-used", disk_min_file_size=0,  # every entry a file
+            tag_index=True,  # evict(tag): a namespace's entries at once
         )
         self._disk_bytes = self._disk.volume()
         self._scan()
@@ -132,54 +127,39 @@ class PrefixCache:
                                         daemon=True)
         self._writer.start()
 
+    @property
+    def version(self) -> int:
+        return self._lineage.served[0]
+
+    def served(self) -> tuple[int, str | None]:
+        """(version, namespace) of the adapter served now."""
+        return self._lineage.served[:2]
+
+    def window(self) -> list[tuple[int, str]]:
+        """The (version, namespace) pairs whose KV may be reused now, newest first."""
+        return self._lineage.served[2]
+
     # ---- engine thread ----
 
     def set_adapter(self, version: int, fingerprint: str) -> None:
         """The engine now serves this adapter: look up under it and the N before it."""
-        ns = digest(self.base.encode(), f"{version}:{fingerprint}".encode(), person=b"ns")
-        reset = version in self._resets or self._seen.get(fingerprint, version) < self.version
-        self._resets.discard(version)
-        self._seen.setdefault(fingerprint, version)
-        if (self.ns is not None and version == self.version + 1 and ns not in self._parents
-                and not reset):  # a rollback's weights did not come from the served adapter
-            # One trainer step: the adapter served until now is this one's parent. The first
-            # link recorded wins, so a restart's jump to a resumed version keeps its history.
-            self._parents[ns] = (self.version, self.ns)
-        window = [(version, ns)]
-        while len(window) <= self.max_lag and window[-1][1] in self._parents:
-            window.append(self._parents[window[-1][1]])
-        self.version, self.ns, self._window = version, ns, window
+        self._lineage.set_adapter(version, fingerprint)
         self._queue.put(("stale", version))
 
     def reset_lineage(self, version: int) -> None:
         """VERSION, about to be published, is not a training step from the adapter served now
         (a rollback to an old checkpoint): KV from the versions before it must not be reused
         under it. Any thread; call it before publishing."""
-        self._resets.add(version)
-
-    def fetch(self, prompt: list[int]) -> tuple[list[KVCache] | None, int, tuple[int, str]]:
-        """(a fresh cache holding the longest stored prefix of prompt, its length, source):
-        source is (version, namespace) of the adapter that computed that KV, or of the one
-        served on a miss; hand it back to `put`. At least one prompt token is left to prefill.
-        Among the window's versions the longest prefix wins, the newest on a tie."""
-        source = (self.version, self.ns)
-        if self.unsupported or self.ns is None or len(prompt) < 2:
-            return None, 0, source
-        try:
-            return self._fetch(np.asarray(prompt, dtype=np.int32))
-        except Exception:  # a bug here costs speed, never the request
-            log.exception("prefix cache lookup failed")
-            self._count(errors=1, misses=1)
-            return None, 0, source
+        self._lineage.reset(version)
 
     def put(self, tokens: list[int], cache: list, ends: list[int],
             source: tuple[int, str]) -> None:
         """Queue a finished request's KV (covering exactly `tokens`) for storing under `source`,
         the oldest adapter that computed any of it (from `fetch`); `ends` are its turn
         boundaries (prompt end, completion end). KV older than the window is not stored."""
-        if self.unsupported or self.ns is None or len(tokens) < 2:
+        if self.unsupported or self._lineage.served[1] is None or len(tokens) < 2:
             return
-        if source not in self._window:  # an adapter swap outran it by more than N versions
+        if source not in self.window():  # an adapter swap outran it by more than N versions
             self._count(not_stored_stale=1)
             return
         if self._queue.qsize() >= MAX_PENDING:
@@ -197,219 +177,199 @@ class PrefixCache:
         mx.eval(arrays)  # here, on the thread that built them; the writer only reads them
         write_id, tokens = next(self._write_ids), np.asarray(tokens, np.int32)
         version, ns = source
-        with self._lock:
+        with self._small:
             self._pending[write_id] = (ns, version, tokens, arrays)
         self._queue.put(("put", write_id, ns, version, tokens, arrays, ends))
 
-    def _fetch(self, prompt: np.ndarray):
-        window = self._window
+    # ---- loader thread ----
+
+    def fetch(self, prompt: list[int]) -> tuple[list[KVCache] | None, int, tuple[int, str]]:
+        """(a fresh cache holding the longest stored prefix of prompt, its length, source):
+        source is (version, namespace) of the adapter that computed that KV, or of the one
+        served on a miss; hand it back to `put`. At least one prompt token is left to prefill.
+        Among the window's versions the longest prefix wins, the newest on a tie. The arrays
+        are lazy: evaluate them on the calling thread."""
+        version, ns, window = self._lineage.served
+        if self.unsupported or ns is None or len(prompt) < 2:
+            return None, 0, (version, ns)
+        try:
+            return self._fetch(np.asarray(prompt, dtype=np.int32), window)
+        except Exception:  # a bug here costs speed, never the request
+            log.exception("prefix cache lookup failed")
+            self._count(errors=1, misses=1)
+            return None, 0, (version, ns)
+
+    def _fetch(self, prompt: np.ndarray, window: list):
         hashes = {ns: block_hashes(ns, prompt, self.block) for _, ns in window}
         with self._lock:
-            self.stats["lookups"] += 1
             ranked = sorted(((score, version, seq, key, ns) for version, ns in window
-                             for score, seq, key in self._rank(ns, prompt, hashes[ns])),
+                             for score, seq, key in self._index.rank(ns, prompt, hashes[ns])),
                             reverse=True)  # longest first, then newest version, then recency
+        with self._small:
+            self.stats["lookups"] += 1
             queued = [(common_prefix(t, prompt), version, q_ns, t, arrays)
                       for q_ns, version, t, arrays in self._pending.values()
                       if (version, q_ns) in window]
         best = max(queued, key=lambda q: q[:2], default=None)
         if best is not None and best[0] >= 1 and best[:2] >= (ranked[0][:2] if ranked else (0,)):
             n, version, ns, tokens, arrays = min(best[0], len(prompt) - 1), *best[1:]
-            if n >= 1:  # fresh cache objects over evaluated arrays nobody mutates
-                cache = to_kv_cache({"quant": None}, arrays)
-                trim_prompt_cache(cache, len(tokens) - n)
-                self._count_hit(n, version, memory_hits=1)
+            if n >= 1:
+                self._count_hit(n, version, window, memory_hits=1)
+                return fresh_kv(to_caches(None, arrays, len(tokens)), n), n, (version, ns)
+        for score, version, _seq, key, ns in ranked[:CANDIDATES]:
+            found = self._from_memory(ns, prompt, score) or self._from_disk(key, ns, prompt)
+            if found is not None:
+                n, cache = found
+                self._count_hit(n, version, window)
                 return cache, n, (version, ns)
-        for _score, version, _seq, key, ns in ranked[:CANDIDATES]:
-            loaded = self._load(key, ns)
-            if loaded is None:
-                continue
-            tokens, cache = loaded
-            n = min(common_prefix(tokens, prompt), len(prompt) - 1)
-            if n < 1:
-                continue
-            trim_prompt_cache(cache, len(tokens) - n)
-            self._count_hit(n, version)
-            return cache, n, (version, ns)
         self._count(misses=1)
         return None, 0, window[0]
 
-    def _count_hit(self, n: int, version: int, **more) -> None:
-        stale = {"hits_stale": 1, "cached_tokens_stale": n} if version != self.version else {}
-        self._count(hits=1, cached_tokens=n, **stale, **more)
+    def _from_memory(self, ns: str, prompt: np.ndarray, score: int):
+        """(n, KV) from the memory tier if it holds at least SCORE tokens of prompt in ns."""
+        with self._lock:  # LRUPromptCache hands out a deep copy, trimmed to the common prefix
+            cache, rest = self._memory.fetch_nearest_cache(ns, prompt.tolist())
+        n = min(len(prompt) - len(rest), len(prompt) - 1)  # it leaves one only when it must
+        if cache is None or n < max(min(score, len(prompt) - 1), 1):
+            return None
+        self._count(memory_hits=1)
+        return n, fresh_kv(cache, n)
 
-    def _rank(self, ns: str, prompt: np.ndarray, hashes: list[str]):
-        """Candidate entries, best first: (tokens known to match, recency, key). Lock held."""
-        level, keys = 0, self._short.get(ns, set())
-        for k in range(len(hashes) - 1, 0, -1):  # the deepest block any entry shares
-            if hashes[k] in self._by_block:
-                level, keys = k, self._by_block[hashes[k]]
-                break
-        ranked = []
-        for key in keys:
-            e = self._entries[key]
-            score = level * self.block
-            for n, h in e.ends:  # an exact turn boundary inside the next block beats the block
-                if score < n <= len(prompt) and n // self.block == level \
-                        and h == end_hash(hashes, prompt, self.block, n):
-                    score = n
-            if score:
-                ranked.append((score, e.seq, key))
-        return sorted(ranked, reverse=True)
-
-    def _load(self, key: str, ns: str):
-        with self._lock:
-            blob = self._memory.get(key)
-            if blob is not None:
-                self._memory.move_to_end(key)
-        where = "memory" if blob is not None else "disk"
-        if blob is None:
-            blob = self._disk.get(key)
-            if blob is None:  # culled or deleted behind the index's back
-                with self._lock:
-                    self._drop(key)
-                return None
+    def _from_disk(self, key: str, ns: str, prompt: np.ndarray):
+        blob = self._disk.get(key)
+        if blob is None:  # culled or deleted behind the index's back
+            with self._lock:
+                self._index.drop(key)
+            return None
         try:
-            tokens, meta, arrays = unpack(blob, verify=where == "disk")
+            tokens, meta, arrays = unpack(blob, verify=True)
             if meta["ns"] != ns or len(tokens) != Entry.parse(key).length:
                 raise CorruptEntry("header does not match its key")
         except CorruptEntry as e:
-            log.warning("prefix cache entry ignored and deleted (%s): %s", where, e)
+            log.warning("prefix cache entry ignored and deleted: %s", e)
             self._count(corrupt=1)
             with self._lock:
-                self._drop(key)
+                self._index.drop(key)
             self._queue.put(("delete", key))
             return None
-        if where == "disk":
-            with self._lock:
-                self._remember(key, blob)
-            self._count(disk_hits=1, bytes_read=len(blob))
-        else:
-            self._count(memory_hits=1)
-        return tokens, to_kv_cache(meta, arrays)
+        self._count(disk_hits=1, bytes_read=len(blob))
+        with self._lock:
+            if key in self._index.entries:  # recently used: the budget keeps it longer
+                self._index.touch(self._index.entries[key])
+        caches = to_caches(meta["quant"], arrays, len(tokens))
+        self._remember(ns, tokens, caches)  # the next turn of this session finds it in memory
+        n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+        return (n, fresh_kv(caches, n)) if n >= 1 else None
+
+    def _count_hit(self, n: int, version: int, window: list, **more) -> None:
+        stale = {"hits_stale": 1, "cached_tokens_stale": n} if version != window[0][0] else {}
+        self._count(hits=1, cached_tokens=n, **stale, **more)
 
     # ---- writer thread ----
 
     def _write_loop(self) -> None:
-        stream = mx.new_stream(mx.default_device())  # MLX streams are per thread
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    break
-                if item[0] == "put":
-                    self._write(stream, *item[2:])
-                elif item[0] == "stale":
-                    self._evict_versions(item[1])
-                    self._write_lineage()
-                elif item[0] == "delete":
-                    self._disk.delete(item[1])
-            except Exception:
-                log.exception("prefix cache write failed")
-                self._count(errors=1)
-            finally:
-                if item is not None and item[0] == "put":
-                    with self._lock:
-                        self._pending.pop(item[1], None)  # indexed now, or failed
-                item = None  # free the KV arrays here, not while waiting for the next item
-                self._queue.task_done()
-        self._disk.close()  # this thread's SQLite connection
-        mx.clear_streams()  # each MLX thread must, or the process can abort at exit
-        gc.collect()
-        mx.synchronize(stream)
+        with mlx_thread():
+            while True:
+                item = self._queue.get()
+                try:
+                    if item is None:
+                        break
+                    if item[0] == "put":
+                        self._write(*item[2:])
+                    elif item[0] == "stale":
+                        self._evict_versions(item[1])
+                        self._lineage.save()
+                    elif item[0] == "delete":
+                        self._disk.delete(item[1])
+                except Exception:
+                    log.exception("prefix cache write failed")
+                    self._count(errors=1)
+                finally:
+                    if item is not None and item[0] == "put":
+                        with self._small:
+                            self._pending.pop(item[1], None)  # stored now, or failed
+                    item = None  # free the KV arrays here, not while waiting for the next item
+                    self._queue.task_done()
+            self._disk.close()  # this thread's SQLite connection
 
-    def _write(self, stream, ns: str, version: int, tokens: np.ndarray, arrays: list, ends):
+    def _write(self, ns: str, version: int, tokens: np.ndarray, arrays: list, ends) -> None:
         n = len(tokens)
         quant = self.quant if self.quant and n >= self.quantized_kv_start else None
         if quant:
-            with mx.stream(stream):
-                arrays = [q for a in arrays
-                          for q in mx.quantize(a, group_size=quant[0], bits=quant[1])]
-                mx.eval(arrays)
+            arrays = [q for a in arrays for q in mx.quantize(a, group_size=quant[0], bits=quant[1])]
+            mx.eval(arrays)
         blob = pack(tokens, arrays, {"format": FORMAT, "ns": ns, "version": version,
                                      "length": n, "quant": quant})
-        arrays = None
+        caches, arrays = to_caches(quant, arrays, n), None
         hashes = block_hashes(ns, tokens, self.block)
         with self._lock:  # entries this one extends are superseded; keep their boundaries
-            older = [e for e in self._entries.values() if e.ns == ns and e.length <= n
-                     and e.ends[-1][1] == end_hash(hashes, tokens, self.block, e.length)]
+            older = self._index.superseded(ns, tokens, hashes)
         lengths = {x for x in ends if 0 < x <= n} | {n}
         lengths |= {x for e in older for x, _ in e.ends}
-        self._seq += 1
         entry = Entry(self.base, version, ns, n, len(blob), tuple(hashes[1:]),
                       tuple((x, end_hash(hashes, tokens, self.block, x))
-                            for x in sorted(lengths)[-MAX_ENDS:]), seq=self._seq)
+                            for x in sorted(lengths)[-MAX_ENDS:]))
         key = entry.key
+        on_disk = len(blob) + 64 * 1024 <= self.disk_limit  # else larger than the whole budget
+        if on_disk:
+            self._make_room(len(blob))
+            self._disk.set(key, blob, tag=ns)
         with self._lock:
-            self._add(entry)
-            self._remember(key, blob)
+            self._index.add(entry, memory_only=not on_disk)
             for e in older:
                 if e.key != key:
-                    self._drop(e.key)
-            self.stats["stores"] += 1
+                    self._index.drop(e.key)
+        self._remember(ns, tokens, caches)  # its prefixes leave the memory tier with it
+        self._count(stores=1, bytes_written=len(blob) if on_disk else 0)
         for e in older:
             if e.key != key:
                 self._disk.delete(e.key)
-        if len(blob) + 64 * 1024 > self.disk_limit:
-            return  # larger than the whole disk budget: memory only
-        self._make_room(len(blob))
-        self._disk.set(key, blob)
-        self._count(bytes_written=len(blob))
-        culled = self._disk.cull()
-        if culled:
-            self._count(evicted_budget=culled)
-            self._forget_missing()
+        if on_disk:
+            culled = self._disk.cull()
+            if culled:
+                self._count(evicted_budget=culled)
+                self._forget_missing()
         self._disk_bytes = self._disk.volume()
 
+    def _remember(self, ns: str, tokens: np.ndarray, caches: list) -> None:
+        if sum(c.nbytes for c in caches) <= self.memory_limit:  # else it would evict it all
+            with self._lock:
+                self._memory.insert_cache(ns, tokens.tolist(), caches)
+
     def _make_room(self, size: int) -> None:
-        """Entries outside the window (other adapters, models or KV settings) go first."""
+        """Entries outside the window (other adapters, models or KV settings) go first, then
+        the least recently used, one at a time: diskcache's own cull deletes ten at once, which
+        under a small budget empties the store."""
         if self._disk.volume() + size <= self.disk_limit:
             return
-        servable = {ns for _, ns in self._window}
+        servable = {ns for _, ns in self.window()}
         with self._lock:
-            stale = sorted((e for e in self._entries.values() if e.ns not in servable),
-                           key=lambda e: e.seq)
-        for e in stale:
+            order = self._index.eviction_order(servable)
+        for e in order:
             self._disk.delete(e.key)
             with self._lock:
-                self._drop(e.key)
-            self._count(evicted_stale=1)
+                self._index.drop(e.key)
+            self._count(**{"evicted_budget" if e.ns in servable else "evicted_stale": 1})
             if self._disk.volume() + size <= self.disk_limit:
                 return
 
     def _evict_versions(self, version: int) -> None:
         """Versions older than the window of the one now served (v - N) are never served
-        again: delete them."""
+        again: evict their namespaces' tags."""
         oldest = version - self.max_lag
         with self._lock:
-            old = [e for e in self._entries.values() if e.base == self.base and e.version < oldest]
+            old = self._index.older_than(self.base, oldest)
             for e in old:
-                self._drop(e.key)
-            self.stats["evicted_stale"] += len(old)
-        for e in old:
-            self._disk.delete(e.key)
+                self._index.drop(e.key)
+        self._count(evicted_stale=len(old))
+        for ns in {e.ns for e in old}:
+            self._disk.evict(ns)
         self._disk_bytes = self._disk.volume()
-
-    def _read_lineage(self) -> dict[str, tuple[int, str]]:
-        try:
-            window = json.loads((self.directory / LINEAGE).read_text())
-            return {ns: (int(v), p) for (_, ns), (v, p) in zip(window, window[1:])}
-        except (OSError, ValueError, TypeError):  # none yet, or unreadable: no history
-            return {}
-
-    def _write_lineage(self) -> None:
-        if self.max_lag:  # links matter only to a window wider than the served adapter
-            tmp = self.directory / (LINEAGE + ".tmp")
-            tmp.write_text(json.dumps(self._window))
-            tmp.replace(self.directory / LINEAGE)
 
     def _forget_missing(self) -> None:
         on_disk = set(self._disk.iterkeys())
         with self._lock:
-            for key in [k for k in self._entries if k not in on_disk and k not in self._memory]:
-                self._drop(key)
-
-    # ---- index and memory LRU (lock held) ----
+            self._index.forget_missing(on_disk)
 
     def _scan(self) -> None:
         for key in list(self._disk.iterkeys()):
@@ -417,41 +377,10 @@ class PrefixCache:
             if entry is None:
                 self._disk.delete(key)  # not ours, or an older format
             else:
-                self._add(entry)
-
-    def _add(self, e: Entry) -> None:
-        self._entries[e.key] = e
-        for h in e.blocks:
-            self._by_block.setdefault(h, set()).add(e.key)
-        if e.ends[0][0] < self.block:
-            self._short.setdefault(e.ns, set()).add(e.key)
-
-    def _drop(self, key: str) -> None:
-        e = self._entries.pop(key, None)
-        if e is not None:
-            for h in e.blocks:
-                keys = self._by_block.get(h)
-                if keys is not None:
-                    keys.discard(key)
-                    if not keys:
-                        del self._by_block[h]
-            self._short.get(e.ns, set()).discard(key)
-        blob = self._memory.pop(key, None)
-        if blob is not None:
-            self._memory_bytes -= len(blob)
-
-    def _remember(self, key: str, blob: bytes) -> None:
-        if len(blob) > self.memory_limit:
-            return
-        old = self._memory.pop(key, None)
-        self._memory_bytes += len(blob) - (len(old) if old is not None else 0)
-        self._memory[key] = blob
-        while self._memory_bytes > self.memory_limit:
-            _, evicted = self._memory.popitem(last=False)
-            self._memory_bytes -= len(evicted)
+                self._index.add(entry)
 
     def _count(self, **deltas) -> None:
-        with self._lock:
+        with self._small:
             for name, d in deltas.items():
                 self.stats[name] += d
 
@@ -468,19 +397,20 @@ class PrefixCache:
         self._disk.close()
 
     def counters(self) -> dict:
-        with self._lock:
+        """Never waits for a lookup or a write (the event loop calls it)."""
+        with self._small:
             out = dict(self.stats)
-            out.update(entries=len(self._entries), memory_entries=len(self._memory),
-                       memory_bytes=self._memory_bytes)
-            versions = Counter(e.version for e in self._entries.values() if e.base == self.base)
-        out["entries_by_version"] = {str(v): n for v, n in sorted(versions.items())}
         out.update(
+            entries=len(self._index.entries),
+            memory_entries=len(self._memory),
+            memory_bytes=self._memory.nbytes,
+            entries_by_version=self._index.versions(self.base),
             enabled=self.unsupported is None,
             reason=self.unsupported,
             directory=str(self.directory),
             adapter_version=self.version,
             kv_reuse_max_lag=self.max_lag,
-            servable_versions=[v for v, _ in self._window],  # entries of these may be reused
+            servable_versions=[v for v, _ in self.window()],  # entries of these may be reused
             disk_bytes=self._disk_bytes,
             disk_limit_bytes=self.disk_limit,
             memory_limit_bytes=self.memory_limit,

@@ -247,11 +247,11 @@ def test_a_rollback_starts_a_new_lineage(changing, tmp_path):
         trainer.rollback(checkpoint)  # publishes v3 = adapters[3], a weight set never served
         while e.engine.adapter_version != 3:
             time.sleep(0.01)
-        assert [v for v, _ in e.cache._window] == [3]
+        assert [v for v, _ in e.cache.window()] == [3]
         _, job = run(e, prompt)
         assert (job.cached_version, job.cached_tokens) == (None, 0)
         publish(e.engine, changed_adapter(loaded.model, seed=9), 4)  # a step after it
-        assert [v for v, _ in e.cache._window] == [4, 3]
+        assert [v for v, _ in e.cache.window()] == [4, 3]
     finally:
         trainer.stop()
         e.close()

@@ -80,7 +80,7 @@ def engines(tiny, tmp_path):
     e.close()
 
 
-@pytest.mark.parametrize("case", ["exact", "shorter", "longer", "inside"])
+@pytest.mark.parametrize("case", ["exact", "shorter", "longer", "inside", "long_rest"])
 def test_restored_prefix_matches_scratch(engines, case):
     rng = random.Random(case)
     p0 = random_tokens(rng, 120)
@@ -92,11 +92,14 @@ def test_restored_prefix_matches_scratch(engines, case):
         "shorter": (stored + random_tokens(rng, 40), len(stored)),
         "longer": (p0[:70] + random_tokens(rng, 30), 70),  # diverges inside the entry
         "inside": (p0[:70], 69),  # a strict prefix of the entry
+        # the rest is long enough for the engine's chunked prefill (prefill.py), from the hit
+        "long_rest": (stored + random_tokens(rng, 400), len(stored)),
     }[case]
     got = engines.run(prompt)
     assert got[2] == expected
     assert_same(got, generate(engines.reference, prompt))
     assert engines.cache.counters()["memory_hits"] == 1
+    assert engines.engine.stats["prefill_chunks"] == (case == "long_rest")
 
 
 def test_queued_write_serves_the_next_turn(engines, monkeypatch):
@@ -147,6 +150,49 @@ def test_restart_reads_from_disk(tiny, tmp_path):
         assert (c["disk_hits"], c["memory_hits"], c["corrupt"]) == (1, 0, 0)
     finally:
         second.close()
+
+
+def test_disk_hit_loads_off_the_engine_thread(tiny, tmp_path):
+    """Reading, checking and unpacking an entry from disk happens on the loader thread: a slow
+    disk holds up only the request that waits for it, never the streams already decoding."""
+    rng = random.Random(7)
+    p0 = random_tokens(rng, 150)
+    first = Engines(tiny, tmp_path / "pc")
+    tokens, _, _ = first.run(p0)
+    first.close()
+    e = Engines(tiny, tmp_path / "pc")  # empty memory tier: the next hit reads the disk
+    read_on, real_get = [], e.cache._disk.get
+
+    def slow_get(key, *a, **kw):  # a slow disk: two seconds per read
+        read_on.append(threading.current_thread().name)
+        time.sleep(2.0)
+        return real_get(key, *a, **kw)
+
+    e.cache._disk.get = slow_get
+    try:
+        no_end = {t: -100.0 for t in tiny.tokenizer.eos_token_ids}
+        stamps = []
+        forever = SamplingParams(max_tokens=100_000, logit_bias=no_end)
+        streaming = e.engine.submit(Job(random_tokens(rng, 30), forever,
+                                        lambda step: stamps.append(time.perf_counter())))
+        while len(stamps) < 20:
+            time.sleep(0.01)
+        prompt = p0 + tokens + random_tokens(rng, 20)
+        tic = time.perf_counter()
+        got = generate(e.engine, prompt)
+        toc = time.perf_counter()
+        e.engine.cancel(streaming)
+        assert read_on and "rlproxy-engine" not in read_on
+        assert toc - tic >= 2.0 and e.cache.counters()["disk_hits"] == 1
+        assert got[2] == len(p0) + len(tokens)
+        during = [t for t in stamps if tic <= t <= toc]
+        gaps = [b - a for a, b in zip(during, during[1:])]
+        # On the engine thread the read would stop every stream for 2 s; the margin is for the
+        # shared CPU.
+        assert len(during) > 20 and max(gaps) < 1.0, "decoding stalled while the disk was read"
+        assert_same(got, generate(e.reference, prompt))
+    finally:
+        e.close()
 
 
 def changed_adapter(model, seed: int) -> dict[str, mx.array]:
