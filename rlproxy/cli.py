@@ -14,16 +14,15 @@ from rlproxy.settings import ModelSettings, load_settings
 
 
 def serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
+    from rlproxy.api import edge
     from rlproxy.server import create_app
 
     settings = load_settings(flags_from(args), args.config)
     setup_logging(args.log_level, settings.server.log_format)  # flag > env > the TOML file
     app = create_app(settings)
-    web.run_app(app, host=settings.server.host, port=settings.server.port,
-                print=lambda msg: print(msg, flush=True),
-                access_log=None)
+    # edge.run_app: aiohttp's own parse errors (bad headers, chunking ...) answered as JSON
+    edge.run_app(app, host=settings.server.host, port=settings.server.port,
+                 print=lambda msg: print(msg, flush=True))
     return 0
 
 

@@ -25,6 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from rlproxy.api.tags import valid_session_id
+
 # Read by the JSON log format (logs.py): what the current request or the served adapter is.
 SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("session_id",
                                                                        default=None)
@@ -163,6 +165,12 @@ class LiveCollector:
         def counter(name, doc, value):
             return CounterMetricFamily(name, doc, value=float(value))
 
+        from rlproxy.api.edge import ADMISSION
+
+        gate = app.get(ADMISSION)
+        if gate is not None:
+            yield gauge("rlproxy_requests_admitted", "Generation requests running or waiting "
+                        "(past --max-queued-requests a request gets 429)", gate.admitted)
         info = GaugeMetricFamily("rlproxy_info", "The served model", labels=["model"])
         info.add_metric([app[MODEL].model_id], 1)
         yield info
@@ -255,7 +263,8 @@ def api_of(path: str) -> str:
 @web.middleware
 async def metrics_middleware(request: web.Request, handler):
     """Outermost: counts every answer by API and status, after errors became responses."""
-    SESSION_ID.set(request.headers.get("X-Session-Id"))
+    sid = request.headers.get("X-Session-Id")
+    SESSION_ID.set(sid if valid_session_id(sid) else None)  # log lines carry checked ids only
     TURN_UID.set(None)
     status = 500
     try:

@@ -8,24 +8,31 @@ carried through for the session layer to read.
 """
 
 import re
+import reprlib
 import secrets
 from typing import Any, Callable, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, \
+    field_validator, model_validator
+
+MAX_JSON_DEPTH = 64  # settings.server.max_json_depth's default, for callers without settings
 
 
 class APIError(Exception):
-    """A 4xx (or 5xx) answer in OpenAI's error shape."""
+    """A 4xx (or 5xx) answer in OpenAI's error shape; `headers` go on the response (Allow,
+    Retry-After)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type,
@@ -35,8 +42,63 @@ class APIError(Exception):
 # strict: OpenAI rejects "1" for a number and 1 for a boolean, so we do too.
 # extra="ignore": agents send vendor fields we must not choke on.
 _CONFIG = ConfigDict(strict=True, extra="ignore")
-_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_TOKEN_ID = re.compile(r"^[0-9]+$")
+# Used with fullmatch: `$` would also match before a final newline.
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+# A client's value inside an error message: bounded in size and nesting (reprlib never recurses
+# past maxlevel, so a 1,000-deep list is "[[[[...]]]]", not a RecursionError).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 60, 60
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+
+
+def shown(value: Any, limit: int = 100) -> str:
+    """repr(value) for an error message, at most `limit` characters whatever the client sent."""
+    try:
+        text = _SHOWN.repr(value)
+    except ValueError:  # an int past Python's 4,300-digit str limit
+        text = f"<{type(value).__name__}>"
+    return clip(text, limit)
+
+
+def clip(text: str, limit: int = 100) -> str:
+    """A client's text (a path, a header) cut to `limit` characters for an error message."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of decoded JSON ({} and [] count 1, a scalar 0), without recursion."""
+    deepest, stack = 0, [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return deepest
+
+
+def too_deep(limit: int, what: str = "the JSON body", param: str | None = None) -> APIError:
+    return APIError(400, f"{what} is nested more than {limit} levels deep (--max-json-depth)",
+                    param=param, code="json_too_deep")
+
+
+def load_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
+    """A request body as a JSON object, at most `max_depth` levels deep; else APIError(400).
+    Deeper JSON would break later: orjson refuses to write past 254 levels when the turn is
+    recorded, and Python's recursion limit ends jinja's tojson and repr."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        if "depth limit" in str(e):  # orjson stops at 1,024 levels
+            raise too_deep(max_depth) from None
+        raise APIError(400, f"could not parse the JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}")
+    if json_depth(data) > max_depth:
+        raise too_deep(max_depth)
+    return data
 
 
 class FunctionCall(BaseModel):
@@ -46,15 +108,22 @@ class FunctionCall(BaseModel):
 
     @field_validator("arguments")
     @classmethod
-    def _arguments_are_object(cls, v: str) -> str:
+    def _arguments_are_object(cls, v: str, info: ValidationInfo) -> str:
         if not v.strip():  # some clients send "" for a call without arguments
             return "{}"
+        limit = (info.context or {}).get("max_json_depth", MAX_JSON_DEPTH)
         try:
             parsed = orjson.loads(v)
         except orjson.JSONDecodeError as e:
+            if "depth limit" in str(e):
+                raise ValueError(f"arguments are nested more than {limit} levels deep") from None
             raise ValueError(f"arguments must be a JSON object encoded as a string ({e})") from None
         if not isinstance(parsed, dict):
             raise ValueError("arguments must be a JSON object encoded as a string")
+        # JSON inside a string escapes the body's depth check; it is recorded as an object
+        if json_depth(parsed) > limit:
+            raise ValueError(f"arguments are nested more than {limit} levels deep "
+                             "(--max-json-depth)")
         return v
 
 
@@ -83,7 +152,8 @@ class Message(BaseModel):
         for part in v:
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"this model accepts text only; got a content part of type {kind!r}")
+                raise ValueError("this model accepts text only; got a content part of type "
+                                 f"{shown(kind)}")
             if not isinstance(part.get("text"), str):
                 raise ValueError("a text content part needs a string 'text'")
             texts.append(part["text"])
@@ -100,7 +170,7 @@ class FunctionDef(BaseModel):
     @field_validator("name")
     @classmethod
     def _valid_name(cls, v: str) -> str:
-        if not _TOOL_NAME.match(v):
+        if not _TOOL_NAME.fullmatch(v):
             raise ValueError("must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-'")
         return v
 
@@ -205,10 +275,11 @@ class ChatRequest(SessionFields):
             return v
         out = {}
         for key, bias in v.items():
-            if not _TOKEN_ID.match(key):
-                raise ValueError(f"keys must be token ids as integer strings, got {key!r}")
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys must be token ids as integer strings, got {shown(key)}")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-                raise ValueError(f"bias for token {key} must be a number in [-100, 100], got {bias!r}")
+                raise ValueError(f"bias for token {key} must be a number in [-100, 100], got "
+                                 f"{shown(bias)}")
             out[int(key)] = float(bias)
         return out
 
@@ -221,8 +292,8 @@ class ChatRequest(SessionFields):
         if self.response_format is not None and self.response_format.type != "text":
             unsupported = self.response_format.type in ("json_object", "json_schema")
             raise APIError(
-                400, f"response_format {self.response_format.type!r} is not supported: this proxy "
-                "does not constrain output to JSON; ask for JSON in the prompt instead",
+                400, f"response_format {shown(self.response_format.type)} is not supported: this "
+                "proxy does not constrain output to JSON; ask for JSON in the prompt instead",
                 param="response_format", code="unsupported_parameter" if unsupported else None)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options: only allowed when 'stream' is true",
@@ -236,8 +307,8 @@ class ChatRequest(SessionFields):
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.name
             if name not in {t.function.name for t in self.tools}:
-                raise APIError(400, f"tool_choice: function {name!r} is not among the given tools",
-                               param="tool_choice")
+                raise APIError(400, f"tool_choice: function {shown(name)} is not among the given "
+                               "tools", param="tool_choice")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
@@ -262,16 +333,18 @@ def _check_message(i: int, m: Message) -> None:
 
 # pydantic puts a union's branch ('session_done', 'bool') or a model's class name in an error's
 # location; the client never wrote those, so `param` leaves them out.
-_TYPE_TAG = re.compile(r"^(str|bool|int|float|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
+_TYPE_TAG = re.compile(r"str|bool|int|float|none|[a-z-]+\[.*\]|[A-Z]\w*", re.S)
 
 
 def error_path(loc: tuple) -> str:
-    """('messages', 0, 'role') -> 'messages[0].role', as OpenAI names params."""
+    """('messages', 0, 'role') -> 'messages[0].role', as OpenAI names params. A dict key the
+    client chose (metadata's) is cut to 40 characters: a path is said back in the error."""
     path = ""
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif not _TYPE_TAG.match(part):
+        elif not _TYPE_TAG.fullmatch(part):
+            part = part if len(part) <= 40 else part[:37] + "..."
             path += f".{part}" if path else part
     return path
 
@@ -286,12 +359,15 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def validate(model: type[M], data: Any, *, prefix: str = "",
-             rename: Callable[[str], str] | None = None) -> M:
+             rename: Callable[[str], str] | None = None,
+             max_depth: int = MAX_JSON_DEPTH) -> M:
     """`model` from decoded JSON; a bad field raises APIError(400) naming it as the client wrote
     it: `prefix` places a nested part ('input[0]'), `rename` maps an internal request's field
-    path to the dialect's own. A union's failed branches are said together."""
+    path to the dialect's own. A union's failed branches are said together. `max_depth` bounds
+    JSON that arrives inside strings (tool-call arguments). Messages never carry the client's
+    value itself beyond `shown`'s bound (pydantic's own messages name types, not values)."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context={"max_json_depth": max_depth})
     except ValidationError as e:
         errors = e.errors(include_url=False)
         first = error_path(errors[0]["loc"])
@@ -302,20 +378,15 @@ def validate(model: type[M], data: Any, *, prefix: str = "",
         raise APIError(400, f"{path}: {msg}" if path else msg, param=path or None) from None
 
 
-def parse_body(raw: bytes, model: type[M], rename: Callable[[str], str] | None = None) -> M:
+def parse_body(raw: bytes, model: type[M], rename: Callable[[str], str] | None = None,
+               max_depth: int = MAX_JSON_DEPTH) -> M:
     """A JSON request body as `model`; any bad input raises APIError(400)."""
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise APIError(400, f"could not parse the JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}")
-    return validate(model, data, rename=rename)
+    return validate(model, load_json(raw, max_depth), rename=rename, max_depth=max_depth)
 
 
-def parse_chat_request(raw: bytes) -> ChatRequest:
+def parse_chat_request(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> ChatRequest:
     """Parse a request body; any bad input raises APIError(400)."""
-    return parse_body(raw, ChatRequest)
+    return parse_body(raw, ChatRequest, max_depth=max_depth)
 
 
 def template_messages(req: ChatRequest) -> list[dict]:

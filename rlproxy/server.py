@@ -2,9 +2,11 @@
 
 `create_app(settings)` builds everything; each resource (the model + engine thread) is set up and
 torn down in one cleanup context and kept under a typed `web.AppKey`. Handlers parse at the edge
-(protocol.py), hand token work to completions.py, and never touch MLX themselves. Every error a
-client can cause is a 4xx in OpenAI's error shape (Anthropic's under /v1/messages); a bug is a
-500 in the same shape, and the server keeps running.
+(api/edge.py reads every body once; protocol.py and api/*_input.py parse it), hand token work to
+completions.py, and never touch MLX themselves. Every error a client can cause is a 4xx in
+OpenAI's error shape (Anthropic's under /v1/messages); a bug is a 500 in the same shape, and the
+server keeps running. A client that went away is one INFO line. Serve the app with
+`edge.AppRunner` (or `edge.run_app`) so aiohttp's own parse errors are JSON too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import logging
 import time
 from datetime import datetime, timezone
 
-import orjson
 from aiohttp import web
 
 from rlproxy.appkeys import (
@@ -24,11 +25,12 @@ from rlproxy.appkeys import (
 from rlproxy.blas import blas_in_use
 from rlproxy.progress import phase
 from rlproxy import control, metrics
-from rlproxy.api import responses
+from rlproxy.api import edge, responses
 from rlproxy.api.chat import chat_completions
+from rlproxy.api.edge import error_response
+from rlproxy.api.feedback import feedback
 from rlproxy.api.response_store import response_store_context
 from rlproxy.api.messages import count_tokens, create_message
-from rlproxy.api.messages_output import error_body as messages_error_body
 from rlproxy.api.turns import json_response, served_names
 from rlproxy.engine import Engine
 from rlproxy.tinker.routes import add_tinker_routes
@@ -36,20 +38,14 @@ from rlproxy.judges import LocalJudge, RemoteJudge
 from rlproxy.model import LoadedModel, load_base_model, load_serving_model
 from rlproxy.scorer import Scorer
 from rlproxy.trainer import Trainer, released_turns, training_copy
-from rlproxy.protocol import APIError
-from rlproxy.sessions import SessionStore
+from rlproxy.protocol import APIError, clip, shown
+from rlproxy.sessions import SessionStore, sweep_idle_forever
 from rlproxy.settings import Settings
 from rlproxy.ui.views import COOKIE, add_ui_routes, ui_context
 
 log = logging.getLogger("rlproxy.server")
 
 OPEN_PATHS = {"/healthz", "/ui/login"}  # no key needed: health probes; the key's own form
-
-
-def error_response(err: APIError, path: str) -> web.Response:
-    # Anthropic's SDK and Claude Code read errors in Anthropic's shape; all else gets OpenAI's.
-    body = messages_error_body(err) if path.startswith("/v1/messages") else err.body()
-    return json_response(body, status=err.status)
 
 
 @web.middleware
@@ -61,18 +57,42 @@ async def errors_middleware(request: web.Request, handler):
     except web.HTTPException as e:  # aiohttp's own: 404, 405, 413 ... in OpenAI's shape
         if e.status < 400:
             raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
-        message = e.reason if e.status != 404 else f"no route for {request.method} {request.path}"
-        if e.status == 413:
-            limit = request.app[SETTINGS].server.max_request_mb
-            message = f"request body is larger than the limit of {limit} MB (--max-request-mb)"
-        return error_response(APIError(e.status, message, code=code), request.path)
-    except (asyncio.CancelledError, ConnectionResetError):
+        return error_response(http_error(request, e), request.path)
+    except asyncio.CancelledError:
         raise
+    except ConnectionError as e:
+        if request.transport is None or request.transport.is_closing():
+            # The client went away (a dropped stream, a timeout on its side): normal, one line.
+            # Re-raised, aiohttp would log it as an error with a traceback.
+            log.info("client went away during %s %s: %s", request.method, request.path,
+                     e or type(e).__name__)
+            return web.Response(status=499)  # nginx's code; nothing is sent on a closed line
+        return internal_error(request)
     except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(APIError(500, "internal error in rlproxy; see the server log",
-                                       type="server_error"), request.path)
+        return internal_error(request)
+
+
+def internal_error(request: web.Request) -> web.Response:
+    log.exception("unhandled error in %s %s", request.method, request.path)
+    return error_response(APIError(500, "internal error in rlproxy; see the server log",
+                                   type="server_error"), request.path)
+
+
+def http_error(request: web.Request, e: web.HTTPException) -> APIError:
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status)
+    message, headers = e.reason, None
+    where = f"{request.method} {clip(request.path)}"
+    if e.status == 404:
+        # Ollama-style probes (/api/show, /api/v1/models) and anything else
+        message = (f"no route for {where}; rlproxy speaks the OpenAI and Anthropic APIs "
+                   "under /v1")
+    elif e.status == 405:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        message, headers = f"{where} is not allowed; this path takes {allowed}", {"Allow": allowed}
+    elif e.status == 413:
+        limit = request.app[SETTINGS].server.max_request_mb
+        message = f"request body is larger than the limit of {limit} MB (--max-request-mb)"
+    return APIError(e.status, message, code=code, headers=headers)
 
 
 @web.middleware
@@ -143,7 +163,7 @@ async def list_models(request: web.Request) -> web.Response:
 async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model_id"]
     if name not in served_names(request.app):
-        raise APIError(404, f"The model '{name}' does not exist", param="model",
+        raise APIError(404, f"The model {shown(name)} does not exist", param="model",
                        code="model_not_found")
     return json_response(model_card(request.app, name))
 
@@ -163,6 +183,8 @@ async def healthz(request: web.Request) -> web.Response:
         "prefix_cache": (engine.prefix_cache.counters() if engine.prefix_cache is not None
                          else {"enabled": False, "reason": "--no-prefix-cache"}),
         "sessions_open": len(request.app[SESSIONS].open),
+        "requests": {"admitted": request.app[edge.ADMISSION].admitted,
+                     "limit": request.app[edge.ADMISSION].limit},
         "scoring": {**request.app[SCORER].stats, "pending": request.app[SCORER].pending,
                     "method": request.app[SETTINGS].scoring.method},
         "trainer": trainer_health(request.app),
@@ -180,63 +202,19 @@ async def list_sessions(request: web.Request) -> web.Response:
 async def get_session(request: web.Request) -> web.Response:
     session = request.app[SESSIONS].find(request.match_info["session_id"])
     if session is None:
-        raise APIError(404, f"no session {request.match_info['session_id']!r} (open or recently "
-                       "closed)", param="session_id", code="session_not_found")
+        raise APIError(404, f"no session {shown(request.match_info['session_id'])} (open or "
+                       "recently closed)", param="session_id", code="session_not_found")
     return json_response(session.summary(with_turns=True))
 
 
 async def end_session(request: web.Request) -> web.Response:
     sid = request.match_info["session_id"]
-    if not request.app[SESSIONS].end(sid, "ended"):
-        raise APIError(404, f"no open session {sid!r}", param="session_id",
+    written = request.app[SESSIONS].end(sid, "ended")
+    if written is None:
+        raise APIError(404, f"no open session {shown(sid)}", param="session_id",
                        code="session_not_found")
+    await asyncio.wrap_future(written)  # its records are on disk before the answer
     return json_response({"id": sid, "object": "session", "open": False, "closed": "ended"})
-
-
-async def not_found(request: web.Request) -> web.Response:
-    # Ollama-style probes (/api/show, /api/v1/models) and anything else: a clean JSON 404.
-    raise APIError(404, f"no route for {request.method} {request.path}; rlproxy speaks the "
-                   "OpenAI and Anthropic APIs under /v1", code="not_found")
-
-
-async def feedback(request: web.Request) -> web.Response:
-    """POST /v1/feedback: an explicit reward for one turn (see scoring.py for how it combines)."""
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as e:
-        raise APIError(400, f"could not parse the JSON body: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object")
-    sid = body.get("session_id")
-    if not isinstance(sid, str) or not sid:
-        raise APIError(400, "session_id (string) is required", param="session_id")
-    reward = body.get("reward")
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not -1 <= reward <= 1:
-        raise APIError(400, "reward must be a number in [-1, 1]", param="reward")
-    comment = body.get("comment")
-    if comment is not None and not isinstance(comment, str):
-        raise APIError(400, "comment must be a string", param="comment")
-    keys = {k: body.get(k) for k in ("turn_uid", "turn_index", "turn_id", "step_index", "turn")}
-    if keys["turn"] not in (None, "last"):
-        raise APIError(400, "turn may only be 'last'", param="turn")
-    if all(v is None for v in keys.values()):
-        raise APIError(400, "name the turn: turn_uid, turn_index, turn_id (+ step_index) or "
-                       "turn: 'last'", param="turn")
-    for k in ("turn_uid", "turn_id"):
-        if keys[k] is not None and not isinstance(keys[k], str):
-            raise APIError(400, f"{k} must be a string", param=k)
-    for k in ("turn_index", "step_index"):
-        if keys[k] is not None and (isinstance(keys[k], bool) or not isinstance(keys[k], int)):
-            raise APIError(400, f"{k} must be an integer", param=k)
-    uid = request.app[SESSIONS].find_turn(
-        sid, uid=keys["turn_uid"], index=keys["turn_index"], turn_id=keys["turn_id"],
-        step_index=keys["step_index"], last=keys["turn"] == "last")
-    if uid is None:
-        raise APIError(404, f"no such turn in session {sid!r} (open or recently closed)",
-                       param="session_id", code="turn_not_found")
-    status = request.app[SCORER].add_feedback(uid, sid, float(reward), comment)
-    return json_response({"object": "feedback", "session_id": sid, "turn_uid": uid,
-                          "reward": float(reward), "status": status})
 
 
 def trainer_health(app: web.Application) -> dict:
@@ -303,11 +281,13 @@ def scoring_context(settings: Settings):
         judge = remote if s.judge_url else local
         teacher = remote if s.teacher_url else local
         scorer = Scorer(s, settings.records.data_dir, judge, teacher, model.tokenizer,
-                        fsync=settings.records.fsync)
+                        fsync=settings.records.fsync, baseline=settings.trainer.baseline)
         app[SCORER] = scorer
         task = asyncio.create_task(scorer.run())
         yield
         task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await loop.run_in_executor(None, scorer.close)
         if remote is not None:
             await remote.close()
         if local is not None:
@@ -319,21 +299,17 @@ def scoring_context(settings: Settings):
 def sessions_context(settings: Settings):
     async def ctx(app: web.Application):
         store = SessionStore(settings.records.data_dir, settings.sessions.session_idle_timeout_s,
-                             fsync=settings.records.fsync, on_trainable=app[SCORER].submit)
+                             fsync=settings.records.fsync, on_trainable=app[SCORER].submit,
+                             on_closed=app[SCORER].session_closed,
+                             max_open_sessions=settings.sessions.max_open_sessions,
+                             train_sessions_matching=settings.sessions.train_sessions_matching)
         app[SESSIONS] = store
-        sweeper = asyncio.create_task(sweep_idle_sessions(store))
+        sweeper = asyncio.create_task(sweep_idle_forever(store))
         yield
         sweeper.cancel()
         store.close()
 
     return ctx
-
-
-async def sweep_idle_sessions(store: SessionStore) -> None:
-    while True:
-        await asyncio.sleep(min(5.0, store.idle_timeout_s / 4))
-        for sid in store.sweep_idle():
-            log.info("session %s closed after %.0f s idle", sid, store.idle_timeout_s)
 
 
 def engine_context(settings: Settings, loaded: LoadedModel | None):
@@ -368,11 +344,15 @@ def engine_context(settings: Settings, loaded: LoadedModel | None):
 def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.Application:
     """The whole server. Pass `loaded` to reuse an already loaded model (tests, benchmarks)."""
     app = web.Application(
-        middlewares=[metrics.metrics_middleware, errors_middleware, auth_middleware],
+        # the body is read before admission: a slow upload holds its connection, not a slot
+        middlewares=[metrics.metrics_middleware, errors_middleware, auth_middleware,
+                     edge.body_middleware, edge.admission_middleware],
         client_max_size=int(settings.server.max_request_mb * 1024 * 1024),
     )
+    app.on_response_prepare.append(edge.json_errors_on_prepare)
     app[SETTINGS] = settings
     app[STARTED] = time.time()
+    app[edge.ADMISSION] = edge.Admission(settings.server.max_queued_requests)
     app.cleanup_ctx.append(engine_context(settings, loaded))
     app.cleanup_ctx.append(scoring_context(settings))
     app.cleanup_ctx.append(trainer_context(settings))
@@ -399,5 +379,6 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.App
     app.router.add_post("/v1/training/resume", control.resume_training)
     add_ui_routes(app)  # /ui: the dashboard (ui/views.py)
     add_tinker_routes(app)  # /api/v1: the Tinker training API (tinker/routes.py)
-    app.router.add_route("*", "/{tail:.*}", not_found)
+    # No catch-all route: aiohttp's router then answers 404 for an unknown path and 405 (with
+    # Allow) for a known one with the wrong method, both worded by errors_middleware.
     return app

@@ -114,9 +114,6 @@ def test_dropped_attempt_is_run_again_by_exactly_one_repeat(server, first_stream
     assert len(turns) == 1 and turns[0]["sampling"]["max_tokens"] == 24
 
 
-@pytest.mark.xfail(strict=True, reason="needs the dialects to pass their body to file_turn "
-                   "(call.file_turn(body) in api/chat.py, api/messages.py, api/responses.py); "
-                   "remove this marker with that change")
 def test_attempt_dropped_after_its_turn_was_filed_is_replayed_not_run_again(server,
                                                                               monkeypatch):
     """The client goes away while its filed turn is being made durable (a slow disk): the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import anthropic
 import pytest
@@ -109,10 +110,17 @@ def test_stop_sequence_is_reported(taught_server):
     assert r.content[0].text == HELLO_REPLY and r.stop_reason == "end_turn"
 
 
-def session_turns(server, sid: str) -> list[dict]:
+def session_turns(server, sid: str, n: int = 1) -> list[dict]:
+    """End the session; its turn records once at least `n` are on disk (the last one reaches
+    its file on the records writer thread, just after the end call answers)."""
     requests.post(f"{server.url}/v1/sessions/{sid}/end", timeout=30).raise_for_status()
-    return sorted((t for t in read_records(server.settings.records.data_dir)
-                   if t["session_id"] == sid), key=lambda t: t["index"])
+    deadline = time.time() + 15
+    while True:
+        turns = sorted((t for t in read_records(server.settings.records.data_dir)
+                        if t["session_id"] == sid), key=lambda t: t["index"])
+        if len(turns) >= n or time.time() > deadline:
+            return turns
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -139,7 +147,7 @@ def test_tool_use_round_trip_links_the_next_state(taught_server, stream):
     assert raw.headers["x-session-id"] == sid  # matched by prefix: no session header sent
     raw.parse()
 
-    turns = session_turns(taught_server, sid)
+    turns = session_turns(taught_server, sid, 2)
     assert [t["api"] for t in turns] == ["messages", "messages"]
     assert turns[0]["choices"][0]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert [(m["role"], m["content"]) for m in turns[0]["next_state"]] == \

@@ -5,9 +5,12 @@ import copy
 import orjson
 import pytest
 
+from rlproxy.api.responses_input import ResponsesRequest
+from rlproxy.api.tags import parse_turn_tags
 from rlproxy.protocol import (
     APIError, ChatRequest, chat_completion, choice, chunk, completion_id, delta_choice,
-    parse_chat_request, template_messages, template_tools, token_logprob, tool_call_id, usage)
+    json_depth, load_json, parse_chat_request, shown, template_messages, template_tools,
+    token_logprob, tool_call_id, usage, validate)
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -216,7 +219,7 @@ def test_json_response_format_is_unsupported(kind):
     assert "does not constrain output to JSON" in info.value.message
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"{'model': 1}", b"\xff\xfe", b"[" * 2000 + b"]" * 2000])
+@pytest.mark.parametrize("raw", [b"", b"{", b"{'model': 1}", b"\xff\xfe", b"[[[" + b"]]"])
 def test_invalid_json(raw):
     with pytest.raises(APIError) as info:
         parse_chat_request(raw)
@@ -298,3 +301,121 @@ def test_empty_tool_call_arguments_mean_no_arguments():
             {"id": "c1", "type": "function", "function": {"name": "now", "arguments": ""}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]}))
     assert template_messages(req)[1]["tool_calls"][0]["function"]["arguments"] == {}
+
+
+# ---- hostile values (issue 13): bounded depth, bounded messages, ids matched whole ----
+
+def nested(depth: int, leaf=1, kind="list"):
+    for _ in range(depth):
+        leaf = [leaf] if kind == "list" else {"a": leaf}
+    return leaf
+
+
+def test_json_depth_counts_containers_without_recursion():
+    assert [json_depth(v) for v in (1, "x", [], {}, [[]], {"a": [1, {"b": {}}]})] == [
+        0, 0, 1, 1, 2, 4]
+    assert json_depth(nested(100_000)) == 100_000  # Python's recursion limit is 1,000
+
+
+@pytest.mark.parametrize("depth,ok", [(64, True), (65, False), (2000, False)])
+def test_body_deeper_than_the_limit_is_a_400(depth, ok):
+    # the whole body counts: the root object and "tools" list add 2 levels
+    body = minimal(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": nested(depth - 4, kind="dict")}}])
+    raw = orjson.dumps(body) if depth < 250 else (
+        b'{"model": "m", "messages": [], "x": ' + b"[" * depth + b"]" * depth + b"}")
+    if ok:
+        assert json_depth(load_json(raw)) == depth
+        return
+    with pytest.raises(APIError) as info:
+        load_json(raw)
+    assert info.value.status == 400 and info.value.body()["error"]["code"] == "json_too_deep"
+    assert "nested more than 64 levels" in info.value.message
+    with pytest.raises(APIError):
+        load_json(raw.replace(b"[" * 10, b"[" * 10, 1), max_depth=8)
+
+
+def test_tool_call_arguments_are_held_to_the_depth_limit():
+    # JSON inside a string escapes the body's check, and is recorded as an object (orjson
+    # refuses to write past 254 levels)
+    def body(args: str) -> dict:
+        return minimal(messages=[{"role": "user", "content": "hi"}, {
+            "role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+                "name": "f", "arguments": args}}]}, {"role": "tool", "tool_call_id": "c",
+                                                     "content": "ok"}])
+    for depth in (100, 300, 5000):
+        with pytest.raises(APIError) as info:
+            parse(body('{"a": ' + "[" * depth + "]" * depth + "}"))
+        assert info.value.param == "messages[1].tool_calls[0].function.arguments"
+        assert "nested more than 64 levels" in info.value.message
+    assert parse(body(orjson.dumps({"a": nested(60)}).decode()))
+    with pytest.raises(APIError):
+        parse_chat_request(orjson.dumps(body(orjson.dumps({"a": nested(20)}).decode())),
+                           max_depth=16)
+
+
+def test_error_messages_never_carry_unbounded_values():
+    # Past the edge's depth check (a caller without one): the message is still short and built
+    # without recursion, where repr() of these values overflowed the stack or ran to megabytes.
+    deep, huge = nested(5000), "x" * 1_000_000
+    for body, param in ((minimal(logit_bias={"5": deep}), "logit_bias"),
+                        (minimal(logit_bias={"5": huge}), "logit_bias"),
+                        (minimal(logit_bias={huge: 1}), "logit_bias"),
+                        (minimal(messages=[{"role": "user", "content": [{"type": deep}]}]),
+                         "messages[0].content"),
+                        (minimal(messages=[{"role": "user", "content": [{"type": huge}]}]),
+                         "messages[0].content"),
+                        (minimal(response_format={"type": huge}), "response_format")):
+        with pytest.raises(APIError) as info:
+            validate(ChatRequest, body)
+        assert info.value.status == 400 and info.value.param == param
+        assert len(info.value.message) < 300, info.value.message[:400]
+    with pytest.raises(APIError) as info:  # a client's dict key lands in the param
+        validate(ResponsesRequest, {"model": "m", "input": "hi", "metadata": {huge: 1}})
+    assert info.value.param.startswith("metadata.xxx") and len(info.value.param) < 60
+    assert len(shown(deep)) <= 100 and len(shown(huge)) <= 100 and shown(10**5000) == "<int>"
+
+
+@pytest.mark.parametrize("body,param", [
+    (minimal(tools=[{"type": "function", "function": {"name": "get_weather\n"}}]),
+     "tools[0].function.name"),
+    (minimal(logit_bias={"5\n": 1}), "logit_bias"),
+    (minimal(logit_bias={"1" * 5000: 1}), "logit_bias"),
+    (minimal(logit_bias={"\u0665": 1}), "logit_bias"),  # an Arabic-Indic digit: not [0-9]
+])
+def test_ids_and_token_ids_are_matched_whole(body, param):
+    with pytest.raises(APIError) as info:
+        parse(body)
+    assert info.value.param == param
+
+
+class Body:  # the body fallbacks parse_turn_tags reads
+    session_id = turn_type = session_done = None
+
+
+@pytest.mark.parametrize("name", ["X-Step-Index", "X-Hermes-Step-Index"])
+@pytest.mark.parametrize("value", ["\u00b2", "1" * 4301, "18446744073709551616",
+                                   "9223372036854775808", "-1", "1e3", "0x10", "", "\u0661"])
+def test_step_index_is_ascii_digits_within_int64(name, value):
+    with pytest.raises(APIError) as info:
+        parse_turn_tags({name: value}, Body())
+    assert info.value.status == 400 and info.value.param == name
+    assert len(info.value.message) < 200
+
+
+def test_step_index_accepts_int64():
+    for value, want in (("0", 0), (" 7 ", 7), ("9223372036854775807", 2**63 - 1)):
+        assert parse_turn_tags({"X-Step-Index": value}, Body()).step_index == want
+
+
+@pytest.mark.parametrize("sid", ["abc\n", "abc\r\n", "\nabc", "a b", "x" * 129, "",
+                                 "caf\u00e9", "a\x00"])
+def test_session_id_is_matched_whole(sid):
+    body = Body()
+    body.session_id = sid
+    for headers, fallback in (({"X-Session-Id": sid}, Body()), ({}, body)):
+        if headers.get("X-Session-Id") == "":  # an empty header is no header
+            continue
+        with pytest.raises(APIError) as info:
+            parse_turn_tags(headers, fallback)
+        assert info.value.param == "X-Session-Id"

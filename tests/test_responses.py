@@ -4,6 +4,7 @@ the real server and the embedded tiny model (the taught adapter where a test nee
 from __future__ import annotations
 
 import json
+import time
 
 import agents
 import openai
@@ -20,9 +21,17 @@ FLAT_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # Responses tools a
 WEATHER = "What is the weather in Paris?"
 
 
-def turns_of(server, session_id: str) -> list[dict]:
-    records = read_records(server.settings.records.data_dir)
-    return sorted((r for r in records if r["session_id"] == session_id), key=lambda r: r["index"])
+def turns_of(server, session_id: str, n: int = 1) -> list[dict]:
+    """The session's turn records, once at least `n` are on disk (a closing session's last
+    turn reaches its file on the records writer thread, just after the answer)."""
+    deadline = time.time() + 15
+    while True:
+        records = read_records(server.settings.records.data_dir)
+        turns = sorted((r for r in records if r["session_id"] == session_id),
+                       key=lambda r: r["index"])
+        if len(turns) >= n or time.time() > deadline:
+            return turns
+        time.sleep(0.05)
 
 
 def test_non_streaming_response_shape_and_record(server):
@@ -105,7 +114,7 @@ def test_function_call_round_trip_with_previous_response_id(taught_server):
     assert r2.status == "completed" and r2.previous_response_id == r.id
     sid = first.headers["X-Session-Id"]
     assert second.headers["X-Session-Id"] == sid
-    t1, t2 = turns_of(taught_server, sid)
+    t1, t2 = turns_of(taught_server, sid, 2)
     assert (t1["api"], t2["api"]) == ("responses", "responses")
     assert t1["next_state"] == [{"role": "tool", "tool_call_id": call.call_id,
                                  "content": "sunny"}]
@@ -131,7 +140,7 @@ def test_full_input_resent_without_chain_links_by_prefix(taught_server):
     sid = first.headers["X-Session-Id"]
     assert second.headers["X-Session-Id"] == sid  # no session header: found by prefix
     requests.post(f"{taught_server.base_url}/sessions/{sid}/end", timeout=30).raise_for_status()
-    t1, _ = turns_of(taught_server, sid)
+    t1, _ = turns_of(taught_server, sid, 2)
     assert t1["next_state_link"] == "prefix"
     assert t1["next_state"] == [{"role": "tool", "tool_call_id": call.call_id,
                                  "content": "sunny"}]
@@ -332,7 +341,7 @@ def test_chain_into_a_closed_session_continues_its_numbering(server):
             model="m", input="More", max_output_tokens=3, previous_response_id=first.parse().id)
         assert second.headers["X-Session-Id"] == sid
         requests.post(f"{server.base_url}/sessions/{sid}/end", timeout=30).raise_for_status()
-        assert [t["index"] for t in turns_of(server, sid)] == [0, 1]
+        assert [t["index"] for t in turns_of(server, sid, 2)] == [0, 1]
         session = requests.get(f"{server.base_url}/sessions/{sid}", timeout=30).json()
         assert session["inferred"] is (not headers)
 

@@ -257,6 +257,61 @@ def test_unknown_routes_and_ollama_probes_get_json_404(server):
         assert r.json()["error"]["code"] == "not_found"
 
 
+def test_known_path_with_another_method_is_405_with_allow(server):
+    r = requests.get(server.base_url + "/chat/completions")
+    assert r.status_code == 405 and r.headers["Allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
+FEEDBACK_ERRORS = [
+    ({"reward": 1, "turn": "last"}, "session_id", "session_id (string) is required"),
+    ({"session_id": "", "reward": 1, "turn": "last"}, "session_id",
+     "session_id (string) is required"),
+    ({"session_id": "s", "reward": 2, "turn": "last"}, "reward",
+     "reward must be a number in [-1, 1]"),
+    ({"session_id": "s", "reward": True, "turn": "last"}, "reward",
+     "reward must be a number in [-1, 1]"),
+    ({"session_id": "s", "reward": "1", "turn": "last"}, "reward",
+     "reward must be a number in [-1, 1]"),
+    ({"session_id": "s", "reward": 1, "turn": "last", "comment": 5}, "comment",
+     "comment must be a string"),
+    ({"session_id": "s", "reward": 1, "turn": "first"}, "turn", "turn may only be 'last'"),
+    ({"session_id": "s", "reward": 1}, "turn",
+     "name the turn: turn_uid, turn_index, turn_id (+ step_index) or turn: 'last'"),
+    ({"session_id": "s", "reward": 1, "turn_uid": 5}, "turn_uid", "turn_uid must be a string"),
+    ({"session_id": "s", "reward": 1, "turn_id": ["t"]}, "turn_id", "turn_id must be a string"),
+    ({"session_id": "s", "reward": 1, "turn_index": "0"}, "turn_index",
+     "turn_index must be an integer"),
+    ({"session_id": "s", "reward": 1, "turn_index": 18446744073709551616}, "turn_index",
+     "turn_index must be an integer"),
+    ({"session_id": "s", "reward": 1, "turn_id": "t", "step_index": True}, "step_index",
+     "step_index must be an integer"),
+]
+
+
+@pytest.mark.parametrize("body,param,message", FEEDBACK_ERRORS,
+                         ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(FEEDBACK_ERRORS)])
+def test_feedback_errors_name_the_field(server, body, param, message):
+    r = requests.post(server.base_url + "/feedback", data=json.dumps(body))
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": message, "type": "invalid_request_error",
+                                 "param": param, "code": None}
+
+
+def test_feedback_on_a_turn(server):
+    r = server.client().chat.completions.with_raw_response.create(
+        model="m", messages=MSG, max_tokens=2, extra_headers={"X-Session-Id": "fb-1"})
+    uid = r.headers["X-Turn-Uid"]
+    for names in ({"turn": "last", "comment": None}, {"turn_uid": uid}, {"turn_index": 0}):
+        got = requests.post(server.base_url + "/feedback",
+                            json={"session_id": "fb-1", "reward": 1, **names})
+        assert got.status_code == 200, got.text
+        assert got.json()["turn_uid"] == uid and got.json()["reward"] == 1.0
+    missing = requests.post(server.base_url + "/feedback",
+                            json={"session_id": "x" * 5000, "reward": 1, "turn": "last"})
+    assert missing.status_code == 404 and len(missing.json()["error"]["message"]) < 200
+
+
 def test_oversize_body_is_413(tiny, tmp_path):
     with ServerThread(make_settings(tmp_path, max_request_mb=0.01), tiny) as s:
         r = _post(s, {"model": "m", "messages": [{"role": "user", "content": "x" * 20000}]})

@@ -13,6 +13,7 @@ import orjson
 from aiohttp import web
 
 from rlproxy import protocol
+from rlproxy.api.edge import json_body
 from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept, serve_turn
 from rlproxy.completions import EngineFailure
 from rlproxy.protocol import APIError
@@ -20,7 +21,7 @@ from rlproxy.api.tags import parse_turn_tags
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    req = protocol.parse_chat_request(await request.read())
+    req = await json_body(request, protocol.ChatRequest)
     tags = parse_turn_tags(request.headers, req)
     write = stream_completion if req.stream else full_completion
     return await serve_turn(request, req, tags, "chat", write, replay)
@@ -44,7 +45,7 @@ def final_body(call: Call, cid: str, events) -> dict:
 
 async def full_completion(call: Call):
     body = final_body(call, protocol.completion_id(), await drain(call))
-    call.file_turn()
+    call.file_turn(body)
     return json_response(body, headers=call.headers), {"body": body, "events": None}
 
 
@@ -104,7 +105,7 @@ async def stream_completion(call: Call):
         await resp.write_eof()
         return resp, None
     body = final_body(call, cid, events)
-    call.file_turn()
+    call.file_turn(body)
     for f in finishes:
         await send([f])
     if include_usage:

@@ -17,8 +17,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from rlproxy.api import messages_output as out
-from rlproxy.api.messages_input import CountTokensRequest, MessagesRequest, parse, \
-    to_chat_request
+from rlproxy.api.edge import json_body, max_json_depth
+from rlproxy.api.messages_input import CountTokensRequest, MessagesRequest, to_chat_request
 from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept, serve_turn
 from rlproxy.appkeys import MODEL
 from rlproxy.completions import EngineFailure, build_prompt
@@ -41,7 +41,7 @@ def session_headers(headers):
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
-    req = to_chat_request(parse(await request.read(), MessagesRequest))
+    req = to_chat_request(await json_body(request, MessagesRequest), max_json_depth(request))
     tags = parse_turn_tags(session_headers(request.headers), req)
     try:
         return await serve_turn(request, req, tags, "messages",
@@ -70,7 +70,7 @@ def in_anthropic_words(err: APIError) -> APIError:
 
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's length exactly as /v1/messages would template it."""
-    req = to_chat_request(parse(await request.read(), CountTokensRequest))
+    req = to_chat_request(await json_body(request, CountTokensRequest), max_json_depth(request))
     loop = asyncio.get_running_loop()
     prompt = await loop.run_in_executor(None, build_prompt, request.app[MODEL].tokenizer, req)
     return json_response({"input_tokens": len(prompt.ids)})
@@ -92,7 +92,7 @@ async def full_message(call: Call):
             blocks.add(kind, value)
     stop, stop_sequence, use = _ending(call)
     body = out.message(out.message_id(), call.req.model, blocks.content, stop, stop_sequence, use)
-    call.file_turn()
+    call.file_turn(body)
     return json_response(body, headers=call.headers), {"body": body, "events": None}
 
 
@@ -125,7 +125,7 @@ async def stream_message(call: Call):
         await send(out.event(name, data))
     stop, stop_sequence, use = _ending(call)
     body = out.message(mid, call.req.model, blocks.content, stop, stop_sequence, use)
-    call.file_turn()  # journaled before the client hears the message is done
+    call.file_turn(body)  # journaled before the client hears the message is done
     for payload in out.message_end(stop, stop_sequence, use):
         await send(payload)
     await resp.write_eof()

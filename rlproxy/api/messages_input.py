@@ -20,7 +20,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlproxy import protocol
-from rlproxy.protocol import APIError, ChatRequest
+from rlproxy.protocol import APIError, ChatRequest, shown
 
 TEXT_JOIN = "\n\n"  # between text blocks of one message: Anthropic has no separator of its own
 MEDIA_BLOCKS = {"image", "document", "search_result"}
@@ -109,10 +109,6 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
 
 
-def parse(raw: bytes, model: type[CountTokensRequest]) -> CountTokensRequest:
-    return protocol.parse_body(raw, model)
-
-
 def _block(raw: dict, where: str):
     """One content block, typed; None for a block that is accepted and dropped."""
     kind = raw.get("type")
@@ -122,13 +118,13 @@ def _block(raw: dict, where: str):
     if kind in ("thinking", "redacted_thinking"):
         return None  # the model's earlier reasoning: never templated back (as Qwen3 drops it)
     if kind in MEDIA_BLOCKS:
-        raise APIError(400, f"{where}: this model reads text only; a {kind!r} block cannot be "
+        raise APIError(400, f"{where}: this model reads text only; a {shown(kind)} block cannot be "
                        "used (send its text instead)", param=where)
     cls = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock}.get(kind)
     if cls is None:
-        raise APIError(400, f"{where}.type: unknown or unsupported content block type {kind!r}; "
-                       "expected text, tool_use, tool_result, thinking or redacted_thinking",
-                       param=f"{where}.type")
+        raise APIError(400, f"{where}.type: unknown or unsupported content block type "
+                       f"{shown(kind)}; expected text, tool_use, tool_result, thinking or "
+                       "redacted_thinking", param=f"{where}.type")
     return protocol.validate(cls, raw, prefix=where)
 
 
@@ -208,7 +204,7 @@ def _user(blocks: list, tool_use_ids: set[str], where: str) -> list[dict]:
         elif isinstance(b, ToolResultBlock):
             if b.tool_use_id not in tool_use_ids:
                 raise APIError(400, f"{where}[{j}].tool_use_id: no earlier tool_use block has "
-                               f"the id {b.tool_use_id!r}", param=f"{where}[{j}].tool_use_id")
+                               f"the id {shown(b.tool_use_id)}", param=f"{where}[{j}].tool_use_id")
             if texts:
                 msgs.append({"role": "user", "content": TEXT_JOIN.join(texts)})
                 texts = []
@@ -228,9 +224,9 @@ def _tools(req: CountTokensRequest) -> tuple[list | None, Any, bool]:
         tools = []
         for i, t in enumerate(req.tools):
             if t.type not in (None, "custom"):
-                raise APIError(400, f"tools[{i}].type: server tool {t.type!r} is not supported "
-                               "by rlproxy; define it as a custom tool with an input_schema",
-                               param=f"tools[{i}].type")
+                raise APIError(400, f"tools[{i}].type: server tool {shown(t.type)} is not "
+                               "supported by rlproxy; define it as a custom tool with an "
+                               "input_schema", param=f"tools[{i}].type")
             if t.input_schema is None:
                 raise APIError(400, f"tools[{i}].input_schema: Field required",
                                param=f"tools[{i}].input_schema")
@@ -248,7 +244,8 @@ def _tools(req: CountTokensRequest) -> tuple[list | None, Any, bool]:
     return tools, {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def to_chat_request(req: CountTokensRequest) -> ChatRequest:
+def to_chat_request(req: CountTokensRequest,
+                    max_depth: int = protocol.MAX_JSON_DEPTH) -> ChatRequest:
     """The internal request this Messages body stands for; checked again by protocol.py."""
     tools, tool_choice, parallel = _tools(req)
     body: dict[str, Any] = {
@@ -265,7 +262,7 @@ def to_chat_request(req: CountTokensRequest) -> ChatRequest:
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     stream=req.stream, user=req.metadata.user_id if req.metadata else None)
-    return protocol.validate(ChatRequest, body, rename=anthropic_param)
+    return protocol.validate(ChatRequest, body, rename=anthropic_param, max_depth=max_depth)
 
 
 # The internal chat request's fields, as a Messages request names them. Messages are renumbered

@@ -11,6 +11,7 @@ Not a record file: the turns themselves are recorded by the session store.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import diskcache
@@ -30,13 +31,18 @@ def keep(store: diskcache.Cache, response_id: str, entry: dict) -> None:
     store.set(response_id, orjson.dumps(entry))
 
 
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")  # responses.new_id's; fullmatch only
+
+
 def find(store: diskcache.Cache, response_id: str) -> dict | None:
+    if not RESPONSE_ID.fullmatch(response_id):  # never ours: no lookup with a client's blob
+        return None
     raw = store.get(response_id)
     return None if raw is None else orjson.loads(raw)
 
 
 def forget(store: diskcache.Cache, response_id: str) -> bool:
-    return store.delete(response_id)
+    return bool(RESPONSE_ID.fullmatch(response_id)) and store.delete(response_id)
 
 
 def response_store_context(settings: Settings):

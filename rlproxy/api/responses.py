@@ -18,12 +18,13 @@ import orjson
 from aiohttp import web
 
 from rlproxy.api import response_store
-from rlproxy.api.responses_input import ResponsesRequest, input_messages, \
-    parse_responses_request, to_chat_request, tool_namespaces
+from rlproxy.api.edge import json_body, max_json_depth
+from rlproxy.api.responses_input import ResponsesRequest, input_messages, to_chat_request, \
+    tool_namespaces
 from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept, serve_turn
 from rlproxy.appkeys import RESPONSES
 from rlproxy.completions import ChoiceEvent, ChoiceRecord, EngineFailure
-from rlproxy.protocol import APIError
+from rlproxy.protocol import APIError, shown
 from rlproxy.api.tags import parse_turn_tags
 
 
@@ -32,17 +33,18 @@ def new_id(prefix: str) -> str:
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    r = parse_responses_request(await request.read())
+    r = await json_body(request, ResponsesRequest)
     store = request.app[RESPONSES]
     prev = None
     if r.previous_response_id is not None:
         prev = response_store.find(store, r.previous_response_id)
         if prev is None:
-            raise APIError(400, f"Previous response with id '{r.previous_response_id}' not "
-                           "found (never stored, deleted, or evicted; store defaults to true)",
+            raise APIError(400, f"Previous response with id {shown(r.previous_response_id)} "
+                           "not found (never stored, deleted, or evicted; store defaults to "
+                           "true)",
                            param="previous_response_id", code="previous_response_not_found")
     conversation = input_messages(r, prev["conversation"] if prev else [])
-    req = to_chat_request(r, conversation)
+    req = to_chat_request(r, conversation, max_json_depth(request))
     tags = parse_turn_tags(request.headers, req)
     if prev is not None and tags.session_id is None:
         tags.session_id = prev["session_id"]  # the chain is the session, no prefix guessing
@@ -71,7 +73,7 @@ async def delete_response(request: web.Request) -> web.Response:
 
 
 def not_found(rid: str) -> APIError:
-    return APIError(404, f"No response found with id '{rid}'.", param="response_id",
+    return APIError(404, f"No response found with id {shown(rid)}.", param="response_id",
                     code="response_not_found")
 
 
@@ -132,7 +134,7 @@ def finished(call: Call, r: ResponsesRequest, rid: str, conversation: list[dict]
     status = "incomplete" if rec.finish_reason == "length" else "completed"
     body = response_body(r, rid, int(call.gen.started), status, output,
                          responses_usage(call.gen.usage()))
-    call.file_turn()
+    call.file_turn(body)
     if r.store:
         reply = {"role": "assistant", "content": rec.text or None}
         if rec.tool_calls:

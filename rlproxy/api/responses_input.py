@@ -20,7 +20,7 @@ import orjson
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlproxy import protocol
-from rlproxy.protocol import APIError, ChatRequest
+from rlproxy.protocol import APIError, ChatRequest, shown
 
 TEXT_PARTS = {"input_text", "output_text", "text", "refusal"}
 
@@ -64,15 +64,10 @@ class ResponsesRequest(protocol.SessionFields):
         fmt = (self.text or {}).get("format")
         if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
             kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-            raise APIError(400, f"text.format {kind!r} is not supported: this proxy does not "
+            raise APIError(400, f"text.format {shown(kind)} is not supported: this proxy does not "
                            "constrain output to JSON; ask for JSON in the prompt instead",
                            param="text.format", code="unsupported_parameter")
         return self
-
-
-def parse_responses_request(raw: bytes) -> ResponsesRequest:
-    """Parse a request body; any bad input raises APIError(400)."""
-    return protocol.parse_body(raw, ResponsesRequest)
 
 
 def input_messages(r: ResponsesRequest, history: list[dict]) -> list[dict]:
@@ -99,16 +94,17 @@ def input_messages(r: ResponsesRequest, history: list[dict]) -> list[dict]:
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or call_id not in calls:
                 raise APIError(400, f"{where}.call_id: no function call found with call_id "
-                               f"{call_id!r} in the input or the previous response",
+                               f"{shown(call_id)} in the input or the previous response",
                                param=f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             continue
         else:
-            raise APIError(400, f"{where}.type: input items of type {kind!r} are not supported; "
-                           "rlproxy accepts message, function_call, function_call_output and "
-                           "reasoning items", param=f"{where}.type", code="unsupported_item_type")
+            raise APIError(400, f"{where}.type: input items of type {shown(kind)} are not "
+                           "supported; rlproxy accepts message, function_call, "
+                           "function_call_output and reasoning items", param=f"{where}.type",
+                           code="unsupported_item_type")
     return messages
 
 
@@ -116,7 +112,7 @@ def _message(item: dict, where: str) -> dict:
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
         raise APIError(400, f"{where}.role: must be user, assistant, system or developer, "
-                       f"not {role!r}", param=f"{where}.role")
+                       f"not {shown(role)}", param=f"{where}.role")
     return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
 
 
@@ -132,7 +128,7 @@ def _text(content: Any, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if not isinstance(kind, str) or kind not in TEXT_PARTS:
             raise APIError(400, f"{where}[{j}]: this model accepts text only; got a content part "
-                           f"of type {kind!r}", param=f"{where}[{j}]")
+                           f"of type {shown(kind)}", param=f"{where}[{j}]")
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
             raise APIError(400, f"{where}[{j}]: a {kind} part needs a string text",
@@ -178,7 +174,7 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind != "function":
                 at = f"{where}.tools[{j}]" if t.get("type") == "namespace" else where
-                raise APIError(400, f"{at}.type: tool type {kind!r} is not supported; rlproxy "
+                raise APIError(400, f"{at}.type: tool type {shown(kind)} is not supported; rlproxy "
                                "offers the model function tools only, which the client runs "
                                "(Codex CLI: set web_search = \"disabled\" in config.toml)",
                                param=f"{at}.type", code="unsupported_tool_type")
@@ -204,13 +200,15 @@ def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
             choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     kind = choice.get("type") if isinstance(choice, dict) else choice
-    raise APIError(400, f"tool_choice: {kind!r} is not supported; use 'none', 'auto', "
+    raise APIError(400, f"tool_choice: {shown(kind)} is not supported; use 'none', 'auto', "
                    "'required' or {\"type\": \"function\", \"name\": ...}",
                    param="tool_choice")
 
 
-def to_chat_request(r: ResponsesRequest, conversation: list[dict]) -> ChatRequest:
-    """The internal chat request: instructions as the system message, then the conversation."""
+def to_chat_request(r: ResponsesRequest, conversation: list[dict],
+                    max_depth: int = protocol.MAX_JSON_DEPTH) -> ChatRequest:
+    """The internal chat request: instructions as the system message, then the conversation
+    (`max_depth`: --max-json-depth, for function_call arguments)."""
     system = [{"role": "system", "content": r.instructions}] if r.instructions else []
     body = {"model": r.model, "messages": system + conversation, "tools": chat_tools(r.tools),
             "tool_choice": chat_tool_choice(r.tool_choice),
@@ -218,7 +216,7 @@ def to_chat_request(r: ResponsesRequest, conversation: list[dict]) -> ChatReques
             "temperature": r.temperature, "top_p": r.top_p, "stream": r.stream, "user": r.user,
             "session_id": r.session_id, "turn_type": r.turn_type,
             "session_done": r.session_done}
-    return protocol.validate(ChatRequest, body, rename=responses_param)
+    return protocol.validate(ChatRequest, body, rename=responses_param, max_depth=max_depth)
 
 
 CHAT_TO_RESPONSES = {"messages": "input", "max_tokens": "max_output_tokens"}

@@ -17,7 +17,7 @@ from rlproxy.tinker.futures import FutureStore
 from rlproxy.tinker.sampling import Samplers
 from rlproxy.tinker.wire import UserError
 
-NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # fullmatch: "x\n" is not a name
 
 
 @dataclass
@@ -54,14 +54,14 @@ def state(request: web.Request) -> TinkerState:
 
 
 def checkpoint_dir(st: TinkerState, run: str, kind: str, name: str) -> Path:
-    if not NAME.match(name or ""):
+    if not NAME.fullmatch(name or ""):
         raise UserError(f"checkpoint name {name!r} must be 1-128 letters, digits, '.', '_', '-'")
     return st.root / run / kind / name
 
 
 def parse_path(st: TinkerState, path: str) -> Path:
-    m = re.match(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$", path or "")
-    if not m or not NAME.match(m.group(1)):
+    m = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", path or "")
+    if not m or not NAME.fullmatch(m.group(1)):
         raise UserError(f"{path!r} is not a tinker://RUN/weights/NAME or "
                         "tinker://RUN/sampler_weights/NAME path")
     return checkpoint_dir(st, m.group(1), m.group(2), m.group(3))

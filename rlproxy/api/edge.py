@@ -1,0 +1,287 @@
+"""The HTTP edge: what happens to a request before a handler reads it, and to the errors aiohttp
+answers itself.
+
+Owns:
+- `body_middleware`: every request body is read once, here, within
+  `--body-read-timeout-s` (a stalled body is a 408, not a held connection), and a body that
+  cannot be decoded (bad gzip/deflate, broken chunking) is a 400 on every route. Handlers then
+  read the cached bytes and parse them with `json_body` (`--max-json-depth`).
+- `admission_middleware`: at most `--max-queued-requests` generation requests (chat, responses,
+  messages) running or waiting at once; past it a 429 with Retry-After.
+- `error_response`: the API's error shape for a path (Anthropic's under /v1/messages).
+- `AppRunner` / `run_app`: aiohttp's own answers to requests it cannot parse (headers too long
+  or too many, bad chunking or Content-Length, unknown methods, non-ASCII paths, br/zstd bodies)
+  in JSON, and `json_errors_on_prepare` for the ones raised before the middlewares (a bad
+  `Expect`). A client that went away or sent garbage is logged at INFO in one line.
+
+Knows nothing of any dialect's fields (protocol.py and api/*_input.py) or of generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import TypeVar
+
+import orjson
+from aiohttp import http_exceptions as hx
+from aiohttp import web
+from pydantic import BaseModel
+
+from rlproxy.api.messages_output import error_body as messages_error_body
+from rlproxy.appkeys import SETTINGS
+from rlproxy.protocol import APIError, load_json, shown, validate
+
+log = logging.getLogger("rlproxy.edge")
+
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
+OFFLOAD_BYTES = 1 << 20  # decode larger bodies on a worker thread: the loop serves streams
+RETRY_AFTER_S = 1  # a 4-token request takes well under a second; SDKs honour the header
+
+
+# ---- the error shape ----
+
+def error_response(err: APIError, path: str) -> web.Response:
+    # Anthropic's SDK and Claude Code read errors in Anthropic's shape; all else gets OpenAI's.
+    body = messages_error_body(err) if path.startswith("/v1/messages") else err.body()
+    return web.Response(body=orjson.dumps(body), status=err.status,
+                        content_type="application/json", headers=err.headers)
+
+
+def both_shapes(err: APIError) -> dict:
+    """For an error whose path is unknown (the request line itself was bad): a body both SDKs
+    read, OpenAI's `error` object inside Anthropic's `{"type": "error"}`."""
+    return {"type": "error", **err.body()}
+
+
+# ---- the body, read once ----
+
+@web.middleware
+async def body_middleware(request: web.Request, handler):
+    """Read the whole body before the handler runs (aiohttp caches it for `request.read()`;
+    no route here takes multipart, which aiohttp would parse from the stream instead)."""
+    if request.body_exists:
+        err = await read_body(request)
+        if err is not None:
+            return await answer_and_close(request, error_response(err, request.path))
+    return await handler(request)
+
+
+async def read_body(request: web.Request) -> APIError | None:
+    """The error to answer instead, or None once the body is read. Too large is aiohttp's 413,
+    which errors_middleware words."""
+    limit_s = request.app[SETTINGS].server.body_read_timeout_s
+    try:
+        async with asyncio.timeout(limit_s):
+            await request.read()
+    except TimeoutError:
+        return APIError(408, f"the request body did not arrive within {limit_s:g} s "
+                        "(--body-read-timeout-s): send as many bytes as Content-Length says",
+                        code="request_timeout")
+    except web.RequestPayloadError as e:
+        return payload_error(e.__cause__)
+    return None
+
+
+def payload_error(cause: BaseException | None) -> APIError:
+    if isinstance(cause, hx.ContentEncodingError):
+        return APIError(400, "the body could not be decoded as its Content-Encoding says "
+                        "(rlproxy reads identity, gzip and deflate)", code="invalid_encoding")
+    if isinstance(cause, hx.DecompressSizeError):
+        return APIError(413, "the body is larger than the limit once decompressed "
+                        "(--max-request-mb)", code="request_too_large")
+    if isinstance(cause, hx.TransferEncodingError):
+        return APIError(400, "the chunked body is malformed", code="invalid_chunked_body")
+    if isinstance(cause, hx.ContentLengthError):
+        return APIError(400, "the body ended before its Content-Length",
+                        code="invalid_content_length")
+    return APIError(400, "the body could not be read", code="invalid_body")
+
+
+async def answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
+    """Send `resp`, then close the connection: the rest of a broken or stalled body is never
+    read. (Left open, aiohttp would keep reading it for 10 more seconds, and log its error.)"""
+    resp.force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    request.protocol.force_close()
+    return resp
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def json_body(request: web.Request, model: type[M]) -> M:
+    """The body (read by body_middleware) as `model`, from a JSON object at most
+    `--max-json-depth` deep; any bad input raises APIError(400)."""
+    raw, depth = await request.read(), max_json_depth(request)
+    if len(raw) > OFFLOAD_BYTES:
+        data = await asyncio.get_running_loop().run_in_executor(None, load_json, raw, depth)
+    else:
+        data = load_json(raw, depth)
+    return validate(model, data, max_depth=depth)
+
+
+def max_json_depth(request: web.Request) -> int:
+    return request.app[SETTINGS].server.max_json_depth
+
+
+# ---- admission control ----
+
+@dataclass
+class Admission:
+    """Generation requests admitted and not yet answered (running, or waiting in the engine)."""
+
+    limit: int
+    admitted: int = 0
+
+
+ADMISSION = web.AppKey("admission", Admission)
+
+
+@web.middleware
+async def admission_middleware(request: web.Request, handler):
+    if request.method != "POST" or request.path not in GENERATION_ROUTES:
+        return await handler(request)
+    gate = request.app[ADMISSION]
+    if gate.admitted >= gate.limit:
+        raise APIError(429, f"rlproxy is busy: {gate.limit} generation requests are running or "
+                       "waiting (--max-queued-requests); retry shortly",
+                       type="rate_limit_error", code="too_many_requests",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+    gate.admitted += 1
+    try:
+        return await handler(request)
+    finally:
+        gate.admitted -= 1
+
+
+# ---- what aiohttp answers itself ----
+
+LOW_LEVEL_CODES = ((hx.LineTooLong, "header_too_large"), (hx.BadHttpMethod, "invalid_method"),
+                   (hx.InvalidURLError, "invalid_url"),
+                   (hx.ContentEncodingError, "unsupported_encoding"),
+                   (hx.TransferEncodingError, "invalid_chunked_body"),
+                   (hx.ContentLengthError, "invalid_content_length"),
+                   (hx.InvalidHeader, "invalid_header"), (hx.BadStatusLine, "invalid_request_line"))
+
+
+def low_level_error(status: int, exc: BaseException | None, message: str | None) -> APIError:
+    """aiohttp's parse error as an APIError: its first line without the raw bytes it quotes."""
+    code = next((c for cls, c in LOW_LEVEL_CODES if isinstance(exc, cls)), None)
+    if isinstance(exc, hx.ContentEncodingError):  # br or zstd: aiohttp lacks the decoder here
+        text = ("the body's Content-Encoding is not supported (rlproxy reads identity, gzip "
+                "and deflate)")
+    elif status >= 500:
+        text = ("the request handler timed out" if status == 504
+                else "internal error in rlproxy; see the server log")
+    else:
+        first = ((exc.message if isinstance(exc, hx.HttpProcessingError) else message)
+                 or HTTPStatus(status).phrase).strip().split("\n")[0]
+        text = first.split(": b'")[0].split(': b"')[0].rstrip(":. ")
+        if "Too many headers" in text:
+            code = "too_many_headers"
+        text = f"the request could not be parsed: {text[:200]}"
+    if status >= 500:
+        return APIError(status, text, type="server_error")
+    return APIError(status, text, code=code or "bad_request")
+
+
+class RequestHandler(web.RequestHandler):
+    """One connection, as aiohttp's, but its own error answers are JSON in the API's shape, and
+    what a client did wrong is an INFO line, not an error with a traceback."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        expect = request.headers.get("Expect", "100-continue").lower()
+        if status == 500 and expect != "100-continue" and isinstance(exc, UnicodeError):
+            # aiohttp runs the expect handler before the handler, and its 417 for an unknown
+            # Expect fails to build when the value is not UTF-8 (so nothing else ran)
+            log.info("unmet Expect from %s: %s", request.remote, shown(expect))
+            resp = error_response(APIError(417, "only 'Expect: 100-continue' is supported",
+                                           code="expectation_failed"), request.path)
+            resp.force_close()
+            return resp
+        if isinstance(exc, ConnectionError):
+            log.info("client %s went away: %s", request.remote, exc)
+        elif status < 500:  # the client sent something unparsable: its problem, not a bug
+            log.info("unparsable request from %s: %s", request.remote,
+                     shown(str(getattr(exc, "message", None) or message or exc), 200))
+        else:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        if request.writer.output_size > 0:  # as aiohttp: a response was begun, end the line
+            raise ConnectionError("Response is sent already, cannot send another response "
+                                  "with the error message")
+        resp = web.Response(body=orjson.dumps(both_shapes(low_level_error(status, exc, message))),
+                            status=status, content_type="application/json")
+        resp.force_close()
+        return resp
+
+    def log_exception(self, *args, **kw) -> None:
+        # After answering a request whose body it never read (a 417, a 404), aiohttp reads the
+        # rest to keep the connection; a broken body then fails there, and is the client's.
+        exc = kw.get("exc_info")
+        if isinstance(exc, (web.RequestPayloadError, ConnectionError)):
+            log.info("unread body of a request from %s: %s", self.transport and
+                     self.transport.get_extra_info("peername"), shown(str(exc), 200))
+            return
+        super().log_exception(*args, **kw)
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return RequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class AppRunner(web.AppRunner):
+    """web.AppRunner whose connections are `RequestHandler`s. aiohttp has no option for the
+    handler class (an app's `handler_args` only reach its keyword arguments), so this gives the
+    server aiohttp built the one method that differs, `__call__`, which makes a connection."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server
+        return server
+
+
+async def json_errors_on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp's text errors raised before the middlewares run (a 417 for an unknown `Expect`)
+    in the API's shape. Errors from handlers never get here as text: errors_middleware words
+    them."""
+    if not (isinstance(response, web.HTTPException) and response.status >= 400
+            and response.content_type == "text/plain"):
+        return
+    text = (response.text or response.reason).strip().split("\n")[0]
+    err = APIError(response.status, text if len(text) <= 200 else text[:197] + "...",
+                   code=HTTPStatus(response.status).phrase.lower().replace(" ", "_"))
+    body = orjson.dumps(messages_error_body(err) if request.path.startswith("/v1/messages")
+                        else err.body())
+    response.body = body
+    response.content_type = "application/json"
+    response.headers["Content-Length"] = str(len(body))
+    # the body was never read, and aiohttp reads it after this answer: if that fails (a broken
+    # gzip) it drops the line, so the client must not count on it (too late for force_close()
+    # to say so: the Connection header is already decided)
+    response.headers["Connection"] = "close"
+    response.force_close()
+
+
+def run_app(app: web.Application, *, host: str, port: int, print=print) -> None:
+    """web.run_app with this module's AppRunner (aiohttp's builds its own): serve until SIGINT
+    or SIGTERM, then clean up."""
+    async def serve() -> None:
+        runner = AppRunner(app, handle_signals=True, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+            print(f"======== Running on http://{host}:{port} ========\n(Press CTRL+C to quit)")
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(serve())
+    except (web.GracefulExit, KeyboardInterrupt):  # the runner's signal handlers raise these
+        pass
