@@ -132,6 +132,16 @@ class Engine:
     def _post(self, kind: str, payload) -> None:
         self._inbox.append((kind, payload))
         self._wake.set()
+        if self._thread is not None and not self._running:
+            # stopped or died (the loader may still hand over jobs): nobody will take them, so
+            # fail them here rather than leave their requests waiting forever
+            while self._inbox:
+                try:
+                    kind, payload = self._inbox.popleft()
+                except IndexError:  # the engine thread drained it meanwhile
+                    break
+                if kind == "submit" and not payload.done:
+                    self._fail(payload, self.error or "the engine stopped")
 
     # ---- the thread ----
 

@@ -58,8 +58,10 @@ class JsonlWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._torn = self._ends_mid_line()
         self._cond = threading.Condition()
-        self._queue: list[tuple[bytes, Future]] = []
-        self._last: Future | None = None  # the last line queued, until it is written
+        # (line, ours, the caller's): `ours` is never handed out, so a caller cancelling its
+        # future cannot make flushed() report a line written that is not
+        self._queue: list[tuple[bytes, Future, Future]] = []
+        self._inflight: list[Future] = []  # ours, of the batch being written
         self._closing = False
         self._thread: threading.Thread | None = None  # started by the first line
 
@@ -77,7 +79,7 @@ class JsonlWriter:
     def write_nowait(self, record: dict) -> Future:
         """Queue one line; the future is done once it is on disk (fsynced unless turned off).
         Serialized here, so a record that cannot be written raises in its caller."""
-        line, done = dumps_line(record), Future()
+        line, ours, done = dumps_line(record), Future(), Future()
         with self._cond:
             if self._closing:
                 raise RuntimeError(f"{self.path.name}: the writer is closed")
@@ -85,17 +87,15 @@ class JsonlWriter:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"records-{self.path.name}")
                 self._thread.start()
-            self._queue.append((line, done))
-            self._last = done
+            self._queue.append((line, ours, done))
             self._cond.notify()
         return done
 
     def flushed(self) -> Future:
-        """Done once every line queued so far is on disk (lines are written in order)."""
+        """Done once every line queued so far is on disk; failed if any of them failed."""
         with self._cond:
-            if self._last is not None:
-                return self._last
-        return written()
+            unwritten = self._inflight + [ours for _, ours, _ in self._queue]
+        return all_written(*unwritten)
 
     def write(self, record: dict) -> None:
         """Append one line and return once it is on disk. Not from the event loop."""
@@ -125,19 +125,19 @@ class JsonlWriter:
                 while not self._queue and not self._closing:
                     self._cond.wait()
                 batch, self._queue = self._queue, []
+                self._inflight = [ours for _, ours, _ in batch]
             if not batch:
                 return  # closing, and everything queued is written
             # a line whose waiter went away (cancelled) is written all the same
-            waiting = [done for _, done in batch if done.set_running_or_notify_cancel()]
-            error = self._commit(b"".join(line for line, _ in batch))
-            with self._cond:  # before the futures: flushed() never returns a finished one
-                if self._last is batch[-1][1]:
-                    self._last = None
-            for done in waiting:
+            waiting = [done for _, _, done in batch if done.set_running_or_notify_cancel()]
+            error = self._commit(b"".join(line for line, _, _ in batch))
+            for done in self._inflight + waiting:
                 if error is None:
                     done.set_result(None)
                 else:
                     done.set_exception(error)
+            with self._cond:
+                self._inflight = []
 
     def _commit(self, data: bytes) -> OSError | None:
         """One write of whole lines, then one fsync: the group commit."""
@@ -170,7 +170,7 @@ def all_written(*futures: Future) -> Future:
     out, lock, left = Future(), threading.Lock(), [len(futures)]
 
     def one_done(f: Future) -> None:
-        error = None if f.cancelled() else f.exception()
+        error = asyncio.CancelledError() if f.cancelled() else f.exception()
         with lock:
             left[0] -= 1
             if out.done():

@@ -298,6 +298,7 @@ def scoring_context(settings: Settings):
 
 def sessions_context(settings: Settings):
     async def ctx(app: web.Application):
+        loop = asyncio.get_running_loop()
         store = SessionStore(settings.records.data_dir, settings.sessions.session_idle_timeout_s,
                              fsync=settings.records.fsync, on_trainable=app[SCORER].submit,
                              on_closed=app[SCORER].session_closed,
@@ -307,7 +308,8 @@ def sessions_context(settings: Settings):
         sweeper = asyncio.create_task(sweep_idle_forever(store))
         yield
         sweeper.cancel()
-        store.close()
+        await asyncio.gather(sweeper, return_exceptions=True)
+        await loop.run_in_executor(None, store.close)  # joins the writer threads
 
     return ctx
 

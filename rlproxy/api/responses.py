@@ -11,6 +11,7 @@ carries the stored response's session id and thread as its own.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import secrets
 
@@ -37,7 +38,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     store = request.app[RESPONSES]
     prev = None
     if r.previous_response_id is not None:
-        prev = response_store.find(store, r.previous_response_id)
+        prev = await asyncio.to_thread(response_store.find, store, r.previous_response_id)
         if prev is None:
             raise APIError(400, f"Previous response with id {shown(r.previous_response_id)} "
                            "not found (never stored, deleted, or evicted; store defaults to "
@@ -59,7 +60,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def get_response(request: web.Request) -> web.Response:
-    entry = response_store.find(request.app[RESPONSES], request.match_info["response_id"])
+    entry = await asyncio.to_thread(response_store.find, request.app[RESPONSES],
+                                    request.match_info["response_id"])
     if entry is None:
         raise not_found(request.match_info["response_id"])
     return json_response(entry["response"])
@@ -67,7 +69,7 @@ async def get_response(request: web.Request) -> web.Response:
 
 async def delete_response(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
-    if not response_store.forget(request.app[RESPONSES], rid):
+    if not await asyncio.to_thread(response_store.forget, request.app[RESPONSES], rid):
         raise not_found(rid)
     return json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
@@ -127,8 +129,8 @@ def call_item(call: dict, status: str, namespaces: dict[str, str]) -> dict:
     return item
 
 
-def finished(call: Call, r: ResponsesRequest, rid: str, conversation: list[dict],
-             output: list[dict]) -> dict:
+async def finished(call: Call, r: ResponsesRequest, rid: str, conversation: list[dict],
+                   output: list[dict]) -> dict:
     """File the turn and keep the response for a chain; then the last bytes may go out."""
     rec = call.gen.records[0]
     status = "incomplete" if rec.finish_reason == "length" else "completed"
@@ -140,7 +142,8 @@ def finished(call: Call, r: ResponsesRequest, rid: str, conversation: list[dict]
         if rec.tool_calls:
             reply["tool_calls"] = rec.tool_calls
         turn = call.turn
-        response_store.keep(call.request.app[RESPONSES], rid, {
+        # diskcache (SQLite) on a worker thread: the event loop never waits on the disk
+        await asyncio.to_thread(response_store.keep, call.request.app[RESPONSES], rid, {
             "response": body, "conversation": conversation + [reply],
             "session_id": turn.session_id if turn else None,
             "thread": turn.thread if turn else None})
@@ -153,7 +156,7 @@ async def full_response(call: Call, r: ResponsesRequest, rid: str, conversation:
     for ev in await drain(call):
         await events.add(ev)
     await events.end(call.gen.records[0])
-    body = finished(call, r, rid, conversation, events.output)
+    body = await finished(call, r, rid, conversation, events.output)
     return json_response(body, headers=call.headers), {"body": body, "events": None}
 
 
@@ -276,7 +279,7 @@ async def stream_response(call: Call, r: ResponsesRequest, rid: str, conversatio
         await resp.write_eof()
         return resp, None
     await events.end(call.gen.records[0])
-    body = finished(call, r, rid, conversation, events.output)
+    body = await finished(call, r, rid, conversation, events.output)
     await events.send(f"response.{body['status']}", response=body)
     await resp.write_eof()
     return resp, {"body": body, "events": events.sent}

@@ -125,10 +125,10 @@ class Call:
     def kept_after_failure(self) -> dict | None:
         """What a repeat of a response that failed after its turn was filed gets: the body
         file_turn was given, so the turn is not generated or recorded twice. None when no turn
-        was filed, or writing it failed (its line is written even if its waiter was cancelled)."""
+        was filed, or it is not on disk (writing it failed)."""
         d = self.durable
-        if self.turn is None or self.kept_body is None or d is None or (
-                d.done() and not d.cancelled() and d.exception() is not None):
+        if self.turn is None or self.kept_body is None or d is None or not d.done() or (
+                d.cancelled() or d.exception() is not None):
             return None
         return {"body": self.kept_body, "events": None}
 
@@ -186,6 +186,11 @@ async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api
         return resp
     finally:
         if kept is None and call is not None:  # filed, then its client went away?
+            if call.durable is not None and not call.durable.done():
+                try:  # a repeat acknowledges the turn: only once it is on disk
+                    await asyncio.shield(call.durable)
+                except BaseException:  # noqa: BLE001  (failed or cancelled: not kept, below)
+                    pass
             kept = call.kept_after_failure()
         store.finish_response(replay_key, kept)
 
