@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
+import orjson
+
 from rlproxy import threads as rules
 from rlproxy.api.tags import TurnTags
 from rlproxy.records import (
@@ -151,6 +153,17 @@ MAX_OPEN_THREADS = 64  # per session; beyond it the least recently active idle o
 KEEP_CLOSED_IDS = 65536  # closed sessions whose numbering a reopen continues (oldest forgotten)
 
 
+KEEP_RESPONSES_BYTES = 256 * 2**20  # kept X-Request-Id responses, at most
+
+
+def kept_size(kept) -> int:
+    """About the bytes a kept response holds: its SSE payloads, else its body."""
+    if isinstance(kept, dict) and kept.get("events"):
+        return sum(len(p) for p in kept["events"])
+    return len(orjson.dumps(kept.get("body") if isinstance(kept, dict) else kept,
+                            default=str))
+
+
 class SessionStore:
     def __init__(self, data_dir: Path, idle_timeout_s: float, fsync: bool = True,
                  on_trainable: Callable[[dict], None] | None = None,
@@ -169,9 +182,10 @@ class SessionStore:
         self.stats = {"idle_closed": 0, "evicted": 0}
         self._threads: dict[str, Thread] = {}  # open threads of open sessions, by id
         self._inferred_heads: dict[str, Thread] = {}  # header-less matching across sessions
-        self._responses: OrderedDict[str, object] = OrderedDict()  # X-Request-Id -> kept
+        self._responses: OrderedDict[str, object] = OrderedDict()  # X-Request-Id -> (kept, bytes)
         self._running: dict[str, asyncio.Future] = {}  # X-Request-Id -> its attempt running
         self._keep_responses = keep_responses
+        self._responses_bytes = 0
         # A kill between a turn's record line and its tombstone leaves it in both files: the
         # record wins. Explicit session ids also continue their turn numbering across restarts.
         recorded: set[str] = set()
@@ -501,7 +515,8 @@ class SessionStore:
 
     def stored_response(self, request_id: str):
         """The kept response; the future of the attempt still running; or None."""
-        return self._running.get(request_id) or self._responses.get(request_id)
+        kept = self._responses.get(request_id)
+        return self._running.get(request_id) or (kept[0] if kept is not None else None)
 
     def start_response(self, request_id: str) -> asyncio.Future:
         """This attempt runs: a repeat waits on the future until `finish_response`."""
@@ -512,10 +527,16 @@ class SessionStore:
         """The attempt ended: keep its response, or None (it failed: a repeat runs anew)."""
         running = self._running.pop(request_id, None)
         if kept is not None:
-            self._responses[request_id] = kept
-            self._responses.move_to_end(request_id)
-            while len(self._responses) > self._keep_responses:
-                self._responses.popitem(last=False)
+            size = kept_size(kept)
+            if request_id in self._responses:
+                self._responses_bytes -= self._responses.pop(request_id)[1]
+            self._responses[request_id] = (kept, size)
+            self._responses_bytes += size
+            # the last `keep_responses`, within KEEP_RESPONSES_BYTES (streams with logprobs
+            # run to megabytes each): the oldest go first
+            while len(self._responses) > self._keep_responses or (
+                    self._responses_bytes > KEEP_RESPONSES_BYTES and len(self._responses) > 1):
+                self._responses_bytes -= self._responses.popitem(last=False)[1][1]
         if running is not None and not running.done():
             running.set_result(kept)
 

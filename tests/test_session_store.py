@@ -173,3 +173,25 @@ def test_x_rl_train_header_over_http(server):
     bad = requests.post(server.base_url + "/chat/completions", headers={"X-RL-Train": "maybe"},
                         json={"model": "m", "messages": user("x"), "max_tokens": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-RL-Train"
+
+
+async def test_kept_responses_stay_within_their_byte_budget(tmp_path, monkeypatch):
+    """Kept X-Request-Id responses (streams with logprobs run to megabytes) are bounded in
+    bytes as well as in number: the oldest go first, the newest is always kept."""
+    import rlproxy.sessions as sessions
+
+    monkeypatch.setattr(sessions, "KEEP_RESPONSES_BYTES", 10_000)
+    store = SessionStore(tmp_path, 60.0, fsync=False)
+    try:
+        for i in range(20):
+            store.start_response(f"r{i}")
+            store.finish_response(f"r{i}", {"body": {"i": i}, "events": [b"x" * 3_000]})
+        kept = [i for i in range(20) if store.stored_response(f"r{i}") is not None]
+        assert kept == [17, 18, 19]  # 3 x 3,000 bytes fit in 10,000; a 4th does not
+        assert store.stored_response("r19")["body"] == {"i": 19}
+        store.start_response("big")
+        store.finish_response("big", {"body": {}, "events": [b"y" * 50_000]})
+        assert store.stored_response("big") is not None  # over budget alone: still kept
+        assert store.stored_response("r19") is None
+    finally:
+        store.close()
