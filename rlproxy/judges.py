@@ -23,6 +23,8 @@ from typing import Callable
 
 import aiohttp
 
+from rlproxy.rewards import settle
+
 log = logging.getLogger("rlproxy.judges")
 PREFILL_STEP = 2048  # teacher positions per forward pass (the engine's default prefill step)
 
@@ -65,7 +67,7 @@ class LocalJudge:
                 except Exception as e:  # delivered to the awaiting coroutine
                     result, error = None, e
                 try:
-                    loop.call_soon_threadsafe(_settle, future, result, error)
+                    loop.call_soon_threadsafe(settle, future, result, error)
                 except RuntimeError:  # the event loop is gone (shutdown)
                     pass
 
@@ -119,15 +121,6 @@ class LocalJudge:
                                 mx.array(ids[start + 1:end + 1])[None])
             out += lp[0].tolist()
         return out
-
-
-def _settle(future: asyncio.Future, result, error) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
 
 
 class RemoteJudge:

@@ -111,7 +111,7 @@ class RewardFunctions:
 
         def ended(result, error) -> None:  # on the event loop
             slot.release()
-            _settle(future, result, error)
+            settle(future, result, error)
 
         def run() -> None:
             try:
@@ -136,7 +136,8 @@ class RewardFunctions:
             raise TimeoutError(f"no answer within {self.timeout_s:g} s "
                                "(--reward-timeout-s)") from None
 
-def _settle(future: asyncio.Future, result, error) -> None:
+def settle(future: asyncio.Future, result, error) -> None:
+    """Resolve FUTURE with a worker thread's outcome, unless its waiter already gave up."""
     if future.done():
         return
     if error is not None:
