@@ -127,8 +127,9 @@ def sequence_grad(model: nn.Module, inputs: mx.array, targets: mx.array, mask: l
                   between: Callable[[float], None] = lambda s: None):
     """Summed aux values and the LoRA gradient of one sequence's loss, computed in units.
 
-    chunk_loss(logp, a, b) -> (objective, aux) for the trained positions a..b (logp: (1, b - a)),
-    where aux is a tuple of scalars; the objectives of all chunks add up to the sequence's loss.
+    chunk_loss(logp, a, b, logits) -> (objective, aux) for the trained positions a..b (logp:
+    (1, b - a), the chunk's logits: (1, b - a, V)), where aux is a tuple of scalars; the
+    objectives of all chunks add up to the sequence's loss.
     Returns (aux summed over chunks, as floats; grads, evaluated)."""
     bounds = chunk_bounds(mask, chunk)
     first = next(i for i, (_, _, trained) in enumerate(bounds) if trained)
@@ -160,7 +161,7 @@ def sequence_grad(model: nn.Module, inputs: mx.array, targets: mx.array, mask: l
             logits, k, v = _run_chunk(model, inputs[:, a:b], past_k, past_v)
             total, part = mx.array(0.0), None
             if trained:
-                total, part = chunk_loss(logprobs_of(logits, targets[:, a:b]), a, b)
+                total, part = chunk_loss(logprobs_of(logits, targets[:, a:b]), a, b, logits)
             if d_k is not None:  # the later chunks' pull on this chunk's K/V
                 total = total + sum((x * g).sum() for x, g in zip(k + v, d_k + d_v))
             return total, part
@@ -188,9 +189,11 @@ def sequence_grad(model: nn.Module, inputs: mx.array, targets: mx.array, mask: l
 
 def example_grad(model: nn.Module, ex: dict, loss_fn: Callable, normaliser: int, *, chunk: int,
                  prompt_grad: str, between: Callable[[float], None], ref_model=None,
-                 kl_coef: float = 0.0, **loss_kw):
-    """((loss / normaliser, summed KL) as floats, LoRA gradient) of one example: a turn or a
-    packed session, as lists `ids`, `old`, `adv`, `mask` (see `turn_example`)."""
+                 kl_coef: float = 0.0, entropy_coef: float = 0.0, **loss_kw):
+    """((loss / normaliser, summed KL, summed entropy) as floats, LoRA gradient) of one example:
+    a turn or a packed session, as lists `ids`, `old`, `adv`, `mask` (see `turn_example`). The
+    loss includes the KL penalty and the entropy bonus (losses.py); the entropy is always
+    reported, and carries a gradient only when ENTROPY_COEF > 0."""
     ids = ex["ids"]
     inputs, targets = mx.array(ids[:-1])[None], mx.array(ids[1:])[None]
     old, adv, mask = (mx.array(ex[k])[None] for k in ("old", "adv", "mask"))
@@ -198,30 +201,38 @@ def example_grad(model: nn.Module, ex: dict, loss_fn: Callable, normaliser: int,
     if ref_model is not None and kl_coef > 0:
         ref = sequence_logprobs(ref_model, inputs, targets, ex["mask"], chunk, between)
 
-    def chunk_loss(logp, a, b):
+    def chunk_loss(logp, a, b, logits):
         m = mask[:, a:b]
         loss = loss_fn(logp, old[:, a:b], adv[:, a:b], m, **loss_kw)
         kl = mx.array(0.0)
         if ref is not None:
             kl = losses.kl_penalty(logp, ref[:, a:b], m)
             loss = loss + kl_coef * kl
-        return loss / normaliser, (loss / normaliser, kl)
+        ent = losses.entropy(logits, m)
+        if entropy_coef > 0:
+            loss = loss - entropy_coef * ent
+        else:  # logged only: no gradient to build through it
+            ent = mx.stop_gradient(ent)
+        return loss / normaliser, (loss / normaliser, kl, ent)
 
     return sequence_grad(model, inputs, targets, ex["mask"], chunk_loss, chunk=chunk,
                          prompt_grad=prompt_grad, between=between)
 
 
-def turn_example(turn: dict, advantages: list[float], reward) -> dict | None:
-    """One turn as a training example over ids = prompt + completion: position t predicts
-    ids[t + 1], so the completion's targets start at len(prompt) - 1. None without completion."""
-    choice = turn["choices"][turn.get("chosen_choice", 0)]
-    prompt, completion = turn["prompt_ids"], choice["completion_ids"]
+def turn_example(turn: dict, advantages: list[float], reward, choice: int | None = None,
+                 key: str | None = None) -> dict | None:
+    """One choice of a turn (default: the one the conversation continued from) as a training
+    example over ids = prompt + completion: position t predicts ids[t + 1], so the completion's
+    targets start at len(prompt) - 1. Its `uids` hold KEY (default: the turn's uid). None
+    without completion."""
+    picked = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
+    prompt, completion = turn["prompt_ids"], picked["completion_ids"]
     if not completion:
         return None
     pad = [0.0] * (len(prompt) - 1)
-    return {"ids": prompt + completion, "old": pad + list(choice["logprobs"]),
+    return {"ids": prompt + completion, "old": pad + list(picked["logprobs"]),
             "adv": pad + list(advantages), "mask": pad + [1.0] * len(completion),
-            "uids": [turn["uid"]], "rewards": [reward], "tokens": len(completion)}
+            "uids": [key or turn["uid"]], "rewards": [reward], "tokens": len(completion)}
 
 
 def pack(examples: list[dict]) -> list[dict]:

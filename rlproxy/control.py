@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from aiohttp import web
 from rlproxy.api.turns import json_response
 from rlproxy.appkeys import ENGINE, SETTINGS, TRAINER
 from rlproxy.checkpoints import complete_checkpoints
-from rlproxy.protocol import APIError
+from rlproxy.protocol import APIError, shown
 from rlproxy.records import JsonlWriter, read_jsonl
 
 TRAINING = "training.jsonl"  # trainer.TRAINING
@@ -32,10 +33,9 @@ def checkpoint_dir(app: web.Application) -> Path:
 
 
 def find_checkpoint(app: web.Application, raw: str) -> Path:
-    try:
-        step = int(raw)
-    except ValueError:
-        raise APIError(400, f"step must be an integer, not {raw!r}", param="step") from None
+    if not re.fullmatch(r"[0-9]{1,9}", raw):  # not int(): it takes "²", " 1", "1_0"
+        raise APIError(400, f"step must be an integer, not {shown(raw)}", param="step")
+    step = int(raw)
     for path in complete_checkpoints(checkpoint_dir(app)):
         if path.name == f"step_{step:06d}":
             return path
@@ -155,11 +155,11 @@ def the_trainer(app: web.Application):
 
 async def pause_training(request: web.Request) -> web.Response:
     trainer = the_trainer(request.app)
-    trainer.pause()
+    await asyncio.to_thread(trainer.pause)  # its line is fsynced: not on the event loop
     return json_response({"object": "training", "paused": True, "step": trainer.step})
 
 
 async def resume_training(request: web.Request) -> web.Response:
     trainer = the_trainer(request.app)
-    trainer.unpause()
+    await asyncio.to_thread(trainer.unpause)
     return json_response({"object": "training", "paused": False, "step": trainer.step})

@@ -10,6 +10,10 @@ PPO steps on them. Every few steps the demo samples FRESH replies with `X-RL-Opt
 recorded, never trained) and measures the same reward on them; it prints one line per measurement,
 writes the curve as JSON and as a small SVG chart, and shuts the app down cleanly.
 
+With `guard` (`rlproxy demo --guard`) the eval gate is on and the learning rate is set too high
+(demo_guard.py): the gate refuses candidates, rolls back and halves the rate, and the printed
+curve and the chart mark each rollback.
+
 Owns only the scripted agent, the reward, the measurement and the chart; serving, scoring and
 training are the real modules, unchanged.
 """
@@ -29,7 +33,7 @@ from xml.sax.saxutils import escape
 
 from aiohttp import ClientSession, ClientTimeout, web
 
-from rlproxy import progress
+from rlproxy import demo_guard, progress
 from rlproxy.checkpoints import latest_checkpoint
 from rlproxy.settings import load_settings
 
@@ -157,14 +161,19 @@ async def measure(http: ClientSession, seed: int) -> list[tuple[float, str]]:
 
 # ---- the run ----
 
+def learning_rate(args) -> float:
+    return demo_guard.GUARD_LEARNING_RATE if args.guard else LEARNING_RATE
+
+
 def demo_settings(args, data_dir: Path):
     return load_settings({
         "data_dir": str(data_dir), "embedded_size": args.embedded_size,
         "judge": False,  # the reward function is the reward
         "at_least_one": False,  # it would lift every all-negative session to +1
         "reward_functions": [REWARD_FUNCTION], "train": True, "resume": False,
-        "batch_size": BATCH_SIZE, "learning_rate": LEARNING_RATE,
+        "batch_size": BATCH_SIZE, "learning_rate": learning_rate(args),
         "save_interval": args.steps, "fsync": False,  # one checkpoint: the final adapter
+        **(demo_guard.guard_flags(data_dir.parent, opening) if args.guard else {}),
     }, environ={})
 
 
@@ -173,12 +182,19 @@ async def health(http: ClientSession) -> dict:
         return await r.json()
 
 
+class Paused(Exception):
+    """The eval gate paused training (too many rollbacks in a row): the guarded run ends."""
+
+
 async def wait_until(http: ClientSession, ok, timeout_s: float = 300.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         h = await health(http)
-        if h["trainer"].get("error") or h["error"]:
-            raise RuntimeError(f"rlproxy failed: {h['trainer'].get('error') or h['error']}")
+        error = h["trainer"].get("error") or h["error"]
+        if error and error.startswith("training paused"):
+            raise Paused(error)
+        if error:
+            raise RuntimeError(f"rlproxy failed: {error}")
         if ok(h):
             return h
         if time.monotonic() > deadline:
@@ -206,14 +222,14 @@ async def demo(args, out: Path) -> dict:
         print(f"dashboard (while the demo runs): {url}/ui", flush=True)
         # trust_env stays off: no proxy variable may send this loopback traffic elsewhere
         async with ClientSession(url, timeout=ClientTimeout(total=300)) as http:
-            return await drive(args, http)
+            return await drive(args, http, out / "data")
     finally:
         await runner.cleanup()
 
 
-async def drive(args, http: ClientSession) -> dict:
+async def drive(args, http: ClientSession, data: Path) -> dict:
     every = max(1, round(args.steps / 6))
-    curve, started = [], time.monotonic()
+    curve, started, news, paused = [], time.monotonic(), demo_guard.GateNews(data), None
 
     async def evaluate() -> int:
         h = await health(http)
@@ -229,49 +245,73 @@ async def drive(args, http: ClientSession) -> dict:
                        f"[{time.monotonic() - started:5.1f} s]")
         return version
 
-    v0 = await evaluate()
-    sessions, next_eval = 0, v0 + every
+    def report() -> None:  # the gate's evaluations and rollbacks since the last call
+        for line in news.new():
+            progress.write(demo_guard.describe(line))
+
+    await evaluate()
+    sessions, next_eval = 0, every
     steps = progress.bar(total=args.steps, desc="PPO steps", unit="step")
-    while sessions * 2 < args.steps * BATCH_SIZE:
-        # Each round samples from the newest adapter (the trainer has caught up): on-policy, so
-        # PPO's ratio starts at 1 and clipping does not eat the signal. Measured with one batch
-        # of lag instead: 30 steps ended at +0.04..+0.85 (3 runs), on-policy at +0.79..+0.99 (8).
-        made = sessions * 2
-        await wait_until(http, lambda h: h["trainer"]["turns_trained"] + h["trainer"]["skipped"]
-                         >= made)
-        await asyncio.gather(*(run_session(http, f"demo-{sessions + i:05d}", sessions + i)
-                               for i in range(AGENTS)))
-        sessions += AGENTS
-        version = (await health(http))["adapter_version"]
-        steps.update(min(args.steps, version - v0) - steps.n)
-        if next_eval <= version < v0 + args.steps:
-            next_eval = await evaluate() + every
-    await wait_until(http, lambda h: h["adapter_version"] >= v0 + args.steps)
+    try:
+        while sessions * 2 < args.steps * BATCH_SIZE:
+            # Each round samples from the newest adapter once the trainer has caught up (and,
+            # with the gate, judged it): on-policy, so PPO's ratio starts at 1 and clipping does
+            # not eat the signal. Measured with one batch of lag instead: 30 steps ended at
+            # +0.04..+0.85 (3 runs), on-policy at +0.79..+0.99 (8).
+            made = sessions * 2
+            await wait_until(http, lambda h: h["trainer"]["turns_trained"]
+                             + h["trainer"]["skipped"] >= made
+                             and h["trainer"]["unevaluated_steps"] < demo_guard.EVAL_EVERY)
+            report()
+            await asyncio.gather(*(run_session(http, f"demo-{sessions + i:05d}", sessions + i)
+                                   for i in range(AGENTS)))
+            sessions += AGENTS
+            # optimizer steps: with the gate, versions jump and rollbacks publish nothing
+            n = (await health(http))["trainer"]["optimizer_steps"]
+            steps.update(min(args.steps, n) - steps.n)
+            if next_eval <= n < args.steps:
+                await evaluate()
+                next_eval = n + every
+        # all steps taken and, with the gate, the last one evaluated
+        await wait_until(http, lambda h: h["trainer"]["optimizer_steps"] >= args.steps
+                         and h["trainer"]["unevaluated_steps"] < demo_guard.EVAL_EVERY)
+    except Paused as e:
+        paused = str(e)
+    report()
+    if paused:
+        progress.write(paused)
     steps.update(args.steps - steps.n)
     steps.close()
     await evaluate()
     return {"steps": args.steps, "sessions": sessions, "turns": sessions * 2,
-            "batch_size": BATCH_SIZE, "learning_rate": LEARNING_RATE,
+            "batch_size": BATCH_SIZE, "learning_rate": learning_rate(args),
+            "guard": args.guard, "paused": paused,
+            "optimizer_steps": (await health(http))["trainer"]["optimizer_steps"],
             "eval_samples": EVAL_SAMPLES, "max_tokens": MAX_TOKENS,
             "reward": "2 * share of reply tokens that are numbers - 1 (rlproxy.demo:digit_reward)",
             "curve": curve, "elapsed_s": round(time.monotonic() - started, 1)}
 
 
-def training_rewards(data_dir: Path) -> list[tuple[int, float]]:
+def training_rewards(data_dir: Path, by_step: bool = False) -> list[tuple[int, float]]:
     """(adapter version that sampled them, mean reward) of each step's turns, from training.jsonl.
-    The demo is on-policy: step k trains on turns sampled by version k - 1."""
+    The demo is on-policy: step k trains on turns sampled by version k - 1. BY_STEP: (the
+    step's number, mean reward) instead (with the gate, turns are sampled by the served
+    adapter, not by the previous step's)."""
     from rlproxy.records import read_jsonl
     from rlproxy.trainer import TRAINING
 
-    return [(line["adapter_version"] - 1, line["reward_mean"])
+    return [(line["step"] if by_step else line["adapter_version"] - 1, line["reward_mean"])
             for line in read_jsonl(data_dir / TRAINING)
             if line.get("kind") == "step" and line.get("reward_mean") is not None]
 
 
-def svg_chart(series: list[tuple[str, str, list[tuple[float, float]]]], title: str) -> str:
-    """A self-contained line chart: reward (-1..1) against adapter version."""
+def svg_chart(series: list[tuple[str, str, list[tuple[float, float]]]], title: str,
+              marks: list[tuple[float, str]] = (),
+              xlabel: str = "PPO steps (adapter version)") -> str:
+    """A self-contained line chart: reward (-1..1) against adapter version (or XLABEL), with a
+    dashed red vertical line and its label at each of MARKS (x, label): the rollbacks."""
     w, h, left, right, top, bottom = 640, 360, 56, 16, 36, 44
-    xmax = max([x for _, _, pts in series for x, _ in pts] + [1])
+    xmax = max([x for _, _, pts in series for x, _ in pts] + [x for x, _ in marks] + [1])
 
     def X(x: float) -> float:
         return left + (w - left - right) * x / xmax
@@ -291,7 +331,12 @@ def svg_chart(series: list[tuple[str, str, list[tuple[float, float]]]], title: s
     for x in range(0, math.ceil(xmax) + 1, max(1, math.ceil(xmax / 6))):
         out.append(f'<text x="{X(x):.1f}" y="{h - bottom + 16}" text-anchor="middle">{x}</text>')
     out.append(f'<text x="{(left + w - right) / 2}" y="{h - 8}" text-anchor="middle">'
-               'PPO steps (adapter version)</text>')
+               f'{escape(xlabel)}</text>')
+    for x, label in marks:
+        out.append(f'<line class="rollback" x1="{X(x):.1f}" y1="{top}" x2="{X(x):.1f}" '
+                   f'y2="{h - bottom}" stroke="#d62728" stroke-dasharray="4 3"/>'
+                   f'<text x="{X(x) + 3:.1f}" y="{top + 12}" fill="#d62728" font-size="10">'
+                   f'{escape(label)}</text>')
     out.append(f'<text x="14" y="{(top + h - bottom) / 2}" text-anchor="middle" '
                f'transform="rotate(-90 14 {(top + h - bottom) / 2})">reward</text>')
     for k, (label, color, pts) in enumerate(series):
@@ -317,27 +362,39 @@ def run_demo(args) -> int:
     shutil.rmtree(data, ignore_errors=True)  # the demo's own records: every run starts fresh
     out.mkdir(parents=True, exist_ok=True)
     print(f"rlproxy demo: embedded {args.embedded_size} model, {args.steps} PPO steps of "
-          f"{BATCH_SIZE} turns, learning rate {LEARNING_RATE:g}; reward = share of reply tokens "
-          "that are numbers, mapped to [-1, 1]", flush=True)
+          f"{BATCH_SIZE} turns, learning rate {learning_rate(args):g}"
+          f"{' (too high on purpose), eval gate on' if args.guard else ''}; reward = share of "
+          "reply tokens that are numbers, mapped to [-1, 1]", flush=True)
     result = asyncio.run(demo(args, out))
     curve = result["curve"]
-    trained = training_rewards(data)
-    result["training"] = [{"sampled_by_version": v, "reward_mean": r} for v, r in trained]
+    trained = training_rewards(data, by_step=args.guard)
+    result["training"] = [{"step" if args.guard else "sampled_by_version": v, "reward_mean": r}
+                          for v, r in trained]
+    series = [("fresh samples (opted out, never trained)", "#1f77b4",
+               [(c["step" if args.guard else "adapter_version"], c["mean_reward"])
+                for c in curve]),
+              ("the turns each step trained on", "#ff7f0e", trained)]
+    marks, xlabel = [], "PPO steps (adapter version)"
+    if args.guard:  # x: the trainer's step (versions jump; a rollback takes a step)
+        result["gate"] = demo_guard.gate_summary(data)
+        series.append(demo_guard.probe_series(result["gate"]))
+        marks = [(r["step"], "rollback") for r in result["gate"]["rollbacks"]]
+        xlabel = "optimizer steps (a rollback takes one)"
     (out / "curve.json").write_text(json.dumps(result, indent=2))
     first, last = curve[0], curve[-1]
     (out / "curve.svg").write_text(svg_chart(
-        [("fresh samples (opted out, never trained)", "#1f77b4",
-          [(c["adapter_version"], c["mean_reward"]) for c in curve]),
-         ("the turns each step trained on", "#ff7f0e", trained)],
-        f"rlproxy demo: reward {first['mean_reward']:+.2f} -> {last['mean_reward']:+.2f}"))
+        series, f"rlproxy demo: reward {first['mean_reward']:+.2f} -> {last['mean_reward']:+.2f}",
+        marks, xlabel))
     # The same seeds are measured each time, so the paired difference has a small error.
     diffs = [b - a for a, b in zip(first["rewards"], last["rewards"])]
     gain, sd = mean_sd(diffs)
     se = sd / math.sqrt(len(diffs))
+    if args.guard:
+        print(demo_guard.summary(result["gate"]))
     print(f"reward {first['mean_reward']:.2f} -> {last['mean_reward']:.2f} over "
-          f"{last['adapter_version'] - first['adapter_version']} PPO steps "
-          f"(adapter v{last['adapter_version']}); gain {gain:+.2f} +- {2 * se:.2f} (2 s.e., "
-          f"paired over {len(diffs)} seeds); {result['elapsed_s']:.0f} s", flush=True)
+          f"{result['optimizer_steps']} PPO steps (adapter v{last['adapter_version']}); gain "
+          f"{gain:+.2f} +- {2 * se:.2f} (2 s.e., paired over {len(diffs)} seeds); "
+          f"{result['elapsed_s']:.0f} s", flush=True)
     for point in (first, last):
         print(f"  a reply at v{point['adapter_version']}: {point['example'][:70]!r}")
     print(f"chart: {out / 'curve.svg'}  curve: {out / 'curve.json'}  records: {data}")

@@ -18,6 +18,10 @@ change the gradient. With rho = exp(logp - old):
   dro                  -sum (logp * A - beta / 2 * (logp - old)^2)
   cross_entropy        -sum logp            (plain SFT on the completion; A is ignored)
   kl (penalty, added)  coef * sum (exp(ref - logp) - (ref - logp) - 1)   (k3 estimator, >= 0)
+  entropy (bonus, subtracted)  coef * sum_t H_t,  H_t = -sum_v p_t(v) log p_t(v)
+                       (p_t = softmax of the policy's logits at position t, temperature 1: the
+                       full distribution, not only the sampled token; it pushes against the
+                       collapse of the output onto a few tokens)
 """
 
 from __future__ import annotations
@@ -59,6 +63,13 @@ def kl_penalty(logp, ref, mask) -> mx.array:
     """Summed k3 estimate of KL(policy || reference); unbiased and never negative."""
     d = ref - logp
     return ((mx.exp(d) - d - 1) * mask).sum()
+
+
+def entropy(logits: mx.array, mask: mx.array) -> mx.array:
+    """Summed entropy of the policy at masked positions. logits: (B, T, V), mask: (B, T)."""
+    logits = logits.astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return (-(mx.exp(logp) * logp).sum(axis=-1) * mask).sum()
 
 
 def policy_loss(name: str):

@@ -224,7 +224,7 @@ def trainer_health(app: web.Application) -> dict:
     return {"enabled": True, "alive": trainer.alive, "error": trainer.error,
             "queued": trainer.inbox.qsize(), "step": trainer.step, **trainer.stats,
             "quarantined": len(trainer.journal.quarantined),
-            "failed_steps": trainer.journal.failed_steps}
+            "failed_steps": trainer.journal.failed_steps, "paused": trainer.paused}
 
 
 def trainer_context(settings: Settings):
@@ -239,7 +239,7 @@ def trainer_context(settings: Settings):
         if settings.trainer.kl_coef > 0:
             ref, _ = load_base_model(settings.model)
         trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref,
-                          vocab_size=loaded.vocab_size)
+                          vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer)
         trainer.resume()
         # The scorer hands each released turn straight to the trainer (thread-safe submit). Set
         # before anything below awaits, so the scorer's task has released nothing yet; without a

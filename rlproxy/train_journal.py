@@ -1,6 +1,7 @@
 """The training journal: which turns each optimizer step is about to train, and how it ended.
 
-Before the trainer runs a step it appends `{"kind": "step_start", "n", "uids", "attempt"}`, and
+Before the trainer runs a step it appends `{"kind": "step_start", "n", "uids", "attempt"}` (uids:
+the items' keys, `item_key`: a turn's uid, or uid/i for another of its choices), and
 after it `{"kind": "step_end", "n", "ok", "error"}`; both are on disk (fsync'ed, like every record
 line unless --no-fsync) before the trainer goes on, so a start without an end means the process
 died inside that step (killed, out of memory, crashed). The next start-up finds it and ends it
@@ -32,6 +33,18 @@ log = logging.getLogger("rlproxy.trainer")
 JOURNAL = "train_journal.jsonl"
 SYSTEMIC_TURNS = 3  # different turns failing in a row with one error type: the cause is not them
 DIED = "the process died during this step (killed, out of memory or crashed)"
+
+
+def item_key(item: dict) -> str:
+    """A scorer -> trainer item's key (train_items.py): its "key", or the uid of an item from
+    before choices were keyed."""
+    return item.get("key") or item["turn"]["uid"]
+
+
+def item_choice(item: dict) -> int:
+    """The index of the item's choice in its turn (default: the one the conversation took)."""
+    choice = item.get("choice")
+    return item["turn"].get("chosen_choice", 0) if choice is None else choice
 
 
 def read_journal(data_dir: Path) -> tuple[Counter, dict[str, str], dict[int, dict], int]:
@@ -154,16 +167,16 @@ def run_batch(trainer, batch: list[dict]) -> list[dict]:
     trainer thread lives on."""
     journal = trainer.journal
     for s in batch:  # an id outside the vocabulary segfaults MLX instead of raising
-        bad = outside_vocab(s["turn"], trainer.vocab_size)
+        bad = outside_vocab(s["turn"], trainer.vocab_size, item_choice(s))
         if bad is not None:
-            journal.quarantine(s["turn"]["uid"], f"token id {bad} is outside this model's "
+            journal.quarantine(item_key(s), f"token id {bad} is outside this model's "
                                f"vocabulary of {trainer.vocab_size} (recorded under another "
                                "model?); training on it would crash")
-    batch = [s for s in batch if s["turn"]["uid"] not in journal.quarantined]
+    batch = [s for s in batch if item_key(s) not in journal.quarantined]
     if not batch:
         return []
-    uids = [s["turn"]["uid"] for s in batch]
-    journal.start(uids, sum(turn_length(s["turn"]) for s in batch))
+    uids = [item_key(s) for s in batch]
+    journal.start(uids, sum(turn_length(s["turn"], item_choice(s)) for s in batch))
     lines: list[dict] = []
     try:
         trainer.train_batch(batch, lines)
@@ -171,7 +184,7 @@ def run_batch(trainer, batch: list[dict]) -> list[dict]:
         error = f"{type(e).__name__}: {e}"[:2000]
         if journal.open is None:  # raised after an update was applied: not the turns' fault
             log.exception("training after the update over turns %s failed", ", ".join(uids))
-            trainer.trained.update(uids)  # retraining would apply the update twice
+            trainer.mark_trained(uids)  # retraining would apply the update twice
             trainer.stats["errors_after_update"] += 1
             trainer.error = f"after step {trainer.step}: {error}"
             return lines
@@ -192,24 +205,25 @@ def run_batch(trainer, batch: list[dict]) -> list[dict]:
     return lines
 
 
-def outside_vocab(turn: dict, vocab_size: int | None) -> int | None:
-    """The first token id of TURN's prompt or chosen completion that is not below VOCAB_SIZE
-    (None also for a record too malformed to say: its step raises, and that is handled)."""
+def outside_vocab(turn: dict, vocab_size: int | None, choice: int | None = None) -> int | None:
+    """The first token id of TURN's prompt or completion CHOICE (default: the chosen one) that
+    is not below VOCAB_SIZE (None also for a record too malformed to say: its step raises, and
+    that is handled)."""
     if vocab_size is None:
         return None
     try:
-        choice = turn["choices"][turn.get("chosen_choice", 0)]
+        choice = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
         return next((i for ids in (turn["prompt_ids"], choice["completion_ids"]) for i in ids
                      if not 0 <= i < vocab_size), None)
     except (KeyError, IndexError, TypeError):
         return None
 
 
-def turn_length(turn: dict) -> int:
-    """Prompt + completion ids of a turn record; 0 for one too malformed to say (its step fails
-    and the journal says why)."""
+def turn_length(turn: dict, choice: int | None = None) -> int:
+    """Prompt + completion CHOICE ids of a turn record; 0 for one too malformed to say (its step
+    fails and the journal says why)."""
     try:
-        choice = turn["choices"][turn.get("chosen_choice", 0)]
+        choice = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
         return len(turn["prompt_ids"]) + len(choice["completion_ids"])
     except (KeyError, IndexError, TypeError):
         return 0

@@ -85,9 +85,9 @@ def whole_sequence_grad(model, ref_model, ex, normaliser, kl_coef, detach_before
 
 def chunked(model, ref_model, ex, normaliser, kl_coef, mode, chunk=16):
     units = []
-    (loss, kl), grads = cg.example_grad(model, ex, losses.ppo, normaliser, chunk=chunk,
-                                        prompt_grad=mode, between=units.append,
-                                        ref_model=ref_model, kl_coef=kl_coef, **LOSS_KW)
+    (loss, kl, _), grads = cg.example_grad(model, ex, losses.ppo, normaliser, chunk=chunk,
+                                           prompt_grad=mode, between=units.append,
+                                           ref_model=ref_model, kl_coef=kl_coef, **LOSS_KW)
     return loss, grads, units
 
 

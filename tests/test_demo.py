@@ -78,7 +78,7 @@ STEPS = 4
 
 def test_demo_runs_trains_and_writes_the_curve(tmp_path, capsys):
     args = argparse.Namespace(steps=STEPS, out=str(tmp_path), embedded_size="tiny",
-                              log_level="WARNING")
+                              log_level="WARNING", guard=False)
     assert demo.run_demo(args) == 0
     printed = capsys.readouterr().out
     assert re.search(rf"reward -?\d\.\d\d -> -?\d\.\d\d over {STEPS} PPO steps "
@@ -105,7 +105,8 @@ def test_demo_runs_trains_and_writes_the_curve(tmp_path, capsys):
     # as a turn still waiting for its next state
     assert len(turns) == result["turns"] == STEPS * demo.BATCH_SIZE
     assert load_pending(data / PENDING) == []
-    assert {t["uid"] for t in read_records(data, PENDING) if t.get("kind") == "turn"} == set(turns)
+    journaled = {t["uid"] for t in read_records(data, PENDING) if t.get("kind") == "turn"}
+    assert journaled and journaled <= set(turns)  # (a session's last turn is recorded at once)
     trained = [u for s in steps for u in s["uids"]]
     assert sorted(trained) == sorted(turns)  # each recorded turn trained exactly once
     scores = {s["uid"]: s for s in read_records(data, "prm_scores.jsonl")
@@ -125,3 +126,37 @@ def test_demo_runs_trains_and_writes_the_curve(tmp_path, capsys):
         assert scores[uid]["reward"] == scores[uid]["function_reward"] == \
             demo.digit_reward(t, t["next_state"])
         assert scores[uid]["votes"] == []  # no judge ran
+
+
+def test_the_guarded_demo_rolls_back_a_learning_rate_set_too_high_and_marks_it(tmp_path, capsys):
+    """`rlproxy demo --guard`: at the guard's rate (too high on purpose) each candidate jumps
+    about 1 nat per token from the served adapter; the gate refuses three in a row, halving the
+    rate each time, then pauses training. The served adapter never changes; the printed curve,
+    curve.json and the chart mark each rollback."""
+    from rlproxy import demo_guard
+
+    args = argparse.Namespace(steps=12, out=str(tmp_path), embedded_size="tiny",
+                              log_level="WARNING", guard=True)
+    assert demo.run_demo(args) == 0
+    printed = capsys.readouterr().out
+    assert len(re.findall(r"step +\d+  ROLLBACK to step 0 \(adapter v0\): [^\n]*KL to the "
+                          r"served \d\.\d+ >= max_kl 0.6", printed)) == 3, printed
+    assert "learning rate now x0.125 = 0.0025" in printed
+    assert "training paused: 3 rollbacks in a row by the eval gate" in printed
+    assert "eval gate: 3 evaluations, 0 published, 3 rolled back (at steps 2, 4, 6)" in printed
+
+    result = json.loads((tmp_path / "curve.json").read_text())
+    assert result["learning_rate"] == demo_guard.GUARD_LEARNING_RATE and result["guard"]
+    assert result["paused"].startswith("training paused")
+    assert [r["step"] for r in result["gate"]["rollbacks"]] == [2, 4, 6]
+    assert [r["lr_scale"] for r in result["gate"]["rollbacks"]] == [0.5, 0.25, 0.125]
+    assert {p["adapter_version"] for p in result["curve"]} == {0}  # nothing was published
+    assert len({tuple(p["rewards"]) for p in result["curve"]}) == 1  # so nothing changed
+    svg = ET.fromstring((tmp_path / "curve.svg").read_text())
+    marks = [ln for ln in svg.iter("{http://www.w3.org/2000/svg}line")
+             if ln.get("class") == "rollback"]
+    assert len(marks) == 3 and all(m.get("stroke") == "#d62728" for m in marks)
+    assert "rollback" in [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    lines = read_records(tmp_path / "data", "training.jsonl")
+    assert [ln["kind"] for ln in lines if ln["kind"] != "step"] == [
+        "eval", "rollback", "eval", "rollback", "eval", "rollback", "pause"]

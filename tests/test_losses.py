@@ -170,6 +170,36 @@ def test_kl_penalty_is_zero_at_the_reference_and_positive_away_from_it():
         assert one > 0
 
 
+# ---- entropy bonus ----
+
+# Two positions over a vocabulary of 3 (one sequence), worked out by hand:
+#   logits (0, 0, 0)            p = (1/3, 1/3, 1/3)    H = ln 3                      = 1.0986123
+#   logits (0, ln 2, 0)         p = (1/4, 1/2, 1/4)    H = 2 * 1/4 ln 4 + 1/2 ln 2   = 1.0397208
+# dH/dlogit_i = -p_i (log p_i + H): at the second position
+#   (-1/4 (ln 1/4 + H), -1/2 (ln 1/2 + H), -1/4 (ln 1/4 + H)) = (0.0866434, -0.1732868, 0.0866434)
+ENT_LOGITS = [[[0.0, 0.0, 0.0], [0.0, math.log(2.0), 0.0]]]
+
+
+def test_entropy_is_the_masked_sum_of_the_per_position_entropy():
+    logits = arr(ENT_LOGITS)
+    assert losses.entropy(logits, arr([[1.0, 1.0]])).item() == pytest.approx(
+        1.0986123 + 1.0397208, abs=TOL)
+    assert losses.entropy(logits, arr([[1.0, 0.0]])).item() == pytest.approx(1.0986123, abs=TOL)
+    # shifting a position's logits changes nothing; sharpening it lowers the entropy
+    assert losses.entropy(logits + 5.0, arr([[1.0, 1.0]])).item() == pytest.approx(
+        1.0986123 + 1.0397208, abs=TOL)
+    assert losses.entropy(3 * logits, arr([[0.0, 1.0]])).item() < 1.0397208
+
+
+def test_entropy_gradient_by_hand_and_the_bonus_flattens():
+    grad = mx.grad(lambda lg: losses.entropy(lg, arr([[0.0, 1.0]])))(arr(ENT_LOGITS))
+    assert grad.tolist()[0][0] == approx([0.0, 0.0, 0.0])  # masked
+    assert grad.tolist()[0][1] == approx([0.0866434, -0.1732868, 0.0866434])
+    # gradient descent on -coef * H (the bonus as the trainer adds it) moves towards uniform
+    lg = arr(ENT_LOGITS) + 0.1 * grad
+    assert losses.entropy(lg, arr([[0.0, 1.0]])).item() > 1.0397208
+
+
 # ---- every loss: advantage sign, masking, sums ----
 
 

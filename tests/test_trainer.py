@@ -247,3 +247,220 @@ def test_qlora_trains_lora_over_a_quantized_frozen_base(tmp_path):
     finally:
         trainer.stop()
         engine.stop()
+
+
+# ---- schedules, entropy and resume ----
+
+def test_learning_rate_schedules_by_hand():
+    from rlproxy.schedule import lr_at
+    from rlproxy.settings import TrainerSettings
+
+    t = TrainerSettings(learning_rate=1e-3, warmup_steps=2, lr_min=1e-4, lr_decay_steps=4,
+                        lr_schedule="cosine")
+    # warmup (s + 1) / W, then 1e-4 + 9e-4 * (1 + cos(pi * d / 4)) / 2, flat after d = 4
+    want = [5e-4, 1e-3, 1e-3, 1e-4 + 9e-4 * (1 + math.cos(math.pi / 4)) / 2, 5.5e-4,
+            1e-4 + 9e-4 * (1 + math.cos(3 * math.pi / 4)) / 2, 1e-4, 1e-4, 1e-4]
+    assert [lr_at(s, t) for s in range(9)] == pytest.approx(want, rel=1e-12)
+    t = t.model_copy(update={"lr_schedule": "linear"})
+    assert [lr_at(s, t) for s in (2, 3, 4, 6, 50)] == pytest.approx(
+        [1e-3, 7.75e-4, 5.5e-4, 1e-4, 1e-4], rel=1e-12)
+    t = t.model_copy(update={"lr_schedule": "constant", "warmup_steps": 0})
+    assert lr_at(0, t) == lr_at(99, t) == 1e-3 and lr_at(5, t, scale=0.25) == 2.5e-4
+
+
+def random_item(vocab, seed, n_prompt=24, n_completion=10):
+    import random
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(3, vocab) for _ in range(n_completion)]
+    turn = {"uid": f"u{seed}", "prompt_ids": [rng.randrange(3, vocab) for _ in range(n_prompt)],
+            "choices": [{"completion_ids": ids,
+                         "logprobs": [-7 + rng.random() for _ in ids]}]}
+    r = rng.uniform(-1, 1)
+    return {"turn": turn, "reward": r, "advantages": [r] * len(ids)}
+
+
+def test_resume_gives_the_same_learning_rate_and_the_same_next_step(own, tmp_path):
+    """Cosine with warmup and an entropy bonus: a trainer resumed from step 3's checkpoint
+    takes step 4 exactly as the one that never stopped (rate, loss, entropy, weights)."""
+    flags = {"learning_rate": 1e-3, "batch_size": 4, "train": True, "save_interval": 3,
+             "lr_schedule": "cosine", "warmup_steps": 2, "lr_decay_steps": 5, "lr_min": 1e-4,
+             "entropy_coef": 0.01}
+    settings = make_settings(tmp_path, **flags)
+    batches = [[random_item(own.vocab_size, 10 * b + i) for i in range(4)] for b in range(4)]
+    first = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
+    try:
+        lines = [first.train_batch(b)[0] for b in batches]
+        weights = lora_weights(first.model)
+    finally:
+        first.writer.close()
+        first.journal.close()
+    assert [ln["learning_rate"] for ln in lines] == pytest.approx(
+        [5e-4, 1e-3, 1e-3, 1e-4 + 9e-4 * (1 + math.cos(math.pi / 5)) / 2], rel=1e-6)
+    assert all(ln["entropy"] > 0 for ln in lines)
+    again = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
+    try:
+        assert again.resume().name == "step_000003"
+        assert again.learning_rate() == pytest.approx(lines[3]["learning_rate"], rel=1e-7)
+        line = again.train_batch(batches[3])[0]
+        for k in ("learning_rate", "loss", "entropy", "grad_norm"):
+            assert line[k] == pytest.approx(lines[3][k], rel=1e-5), k
+        for k, v in lora_weights(again.model).items():
+            assert mx.allclose(v, weights[k], atol=1e-6).item(), k
+    finally:
+        again.writer.close()
+        again.journal.close()
+
+
+def test_the_entropy_bonus_raises_the_entropy(own, tmp_path):
+    """Zero advantages: the policy loss pulls nowhere, so with entropy_coef > 0 the bonus alone
+    moves the weights, and it raises the entropy of the completion positions; with 0 nothing
+    moves."""
+    def entropies(coef, where):
+        settings = make_settings(where, learning_rate=2e-4, batch_size=2, train=True,
+                                 entropy_coef=coef, save_interval=1000)
+        trainer = Trainer(settings, training_copy(own), own.lora_config, data_dir=where)
+        batch = [random_item(own.vocab_size, i) for i in range(2)]
+        for s in batch:
+            s["reward"], s["advantages"] = 0.0, [0.0] * len(s["advantages"])
+        try:
+            return [trainer.train_batch(batch)[0]["entropy"] for _ in range(4)]
+        finally:
+            trainer.writer.close()
+            trainer.journal.close()
+
+    ent = entropies(1.0, tmp_path / "bonus")
+    assert ent[0] < ent[1] < ent[2] < ent[3], ent
+    still = entropies(0.0, tmp_path / "none")
+    assert still == pytest.approx([ent[0]] * 4, rel=1e-6), still
+
+
+# ---- items: a choice, its key, its baseline ----
+
+def test_an_item_trains_its_own_choice_under_its_key_and_a_baselined_one_keeps_its_advantages(
+        own, tmp_path):
+    settings = make_settings(tmp_path, learning_rate=1e-3, batch_size=2, train=True,
+                             baseline="mean", save_interval=1000)
+    trainer = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
+    a, b = random_item(own.vocab_size, 1), random_item(own.vocab_size, 2)
+    turn = a["turn"]
+    turn["choices"].append(b["turn"]["choices"][0])  # choice 1 of the same request
+    other = {"turn": turn, "choice": 1, "key": f"{turn['uid']}/1", "reward": 0.5,
+             "advantages": [0.25] * 10, "baselined": True}
+    try:
+        trainer.baseline, trainer.baseline_n = 0.4, 3
+        ex = trainer._example(other)
+        assert ex["ids"] == turn["prompt_ids"] + b["turn"]["choices"][0]["completion_ids"]
+        assert ex["uids"] == [f"{turn['uid']}/1"]
+        assert ex["adv"][-10:] == [0.25] * 10  # the group baseline stands: no running mean
+        assert (trainer.baseline, trainer.baseline_n) == (0.4, 3)
+        ex = trainer._example(a)  # an old-style item: the chosen choice, keyed by its uid
+        assert ex["uids"] == [turn["uid"]] and ex["ids"][-10:] == \
+            turn["choices"][0]["completion_ids"]
+        assert ex["adv"][-10:] == pytest.approx([a["reward"] - 0.4] * 10)
+        assert trainer.baseline_n == 4
+        trainer.train_batch([a, other])
+        assert set(trainer.trained) >= {turn["uid"], f"{turn['uid']}/1"}
+        trainer.submit(other)  # trained: not again
+        assert trainer.inbox.qsize() == 0
+    finally:
+        trainer.writer.close()
+        trainer.journal.close()
+    step = read_records(tmp_path, "training.jsonl")[-1]
+    assert sorted(step["uids"]) == sorted([turn["uid"], f"{turn['uid']}/1"])
+
+
+def test_released_turns_rebuilds_every_released_choice(tmp_path):
+    import json
+
+    from rlproxy.trainer import released_turns
+
+    turn = {"uid": "t1", "session_id": "s", "index": 0, "trainable": True, "chosen_choice": 1,
+            "prompt_ids": [5, 6], "choices": [
+                {"completion_ids": [7, 8], "logprobs": [-1.0, -2.0]},
+                {"completion_ids": [9], "logprobs": [-0.5]},
+                {"completion_ids": [10, 11, 12], "logprobs": [-1.0, -1.0, -1.0]}]}
+    old = {"uid": "t0", "prompt_ids": [5], "choices": [{"completion_ids": [3],
+                                                         "logprobs": [-1.0]}]}
+    (tmp_path / "conversations.jsonl").write_text(json.dumps(old) + "\n" + json.dumps(turn)
+                                                  + "\n")
+    releases = [
+        {"kind": "release", "uid": "t0", "reward": 0.5, "reason": "scored"},  # before choices
+        {"kind": "release", "uid": "t1", "choice": 1, "key": "t1", "reward": 1.0,
+         "baseline": 0.25, "reason": "scored"},
+        {"kind": "release", "uid": "t1", "choice": 0, "key": "t1/0", "reward": -0.5,
+         "baseline": 0.25, "scale": 0.5, "reason": "scored"},
+        {"kind": "release", "uid": "t1", "choice": 2, "key": "t1/2", "reward": 0.0,
+         "baseline": 0.25, "reason": "scored"},
+        {"kind": "release", "uid": "t1", "choice": 2, "key": "t1/2", "reward": 1.0,
+         "baseline": None, "reason": "feedback"},  # the latest release of a key wins
+    ]
+    (tmp_path / "prm_scores.jsonl").write_text("".join(json.dumps(r) + "\n" for r in releases))
+    items = {s["key"]: s for s in released_turns(tmp_path, 1.0, 2.0, skip={"nothing"})}
+    assert set(items) == {"t0", "t1", "t1/0", "t1/2"}
+    assert (items["t0"]["choice"], items["t0"]["advantages"]) == (0, [1.0])
+    assert not items["t0"]["baselined"]
+    assert (items["t1"]["choice"], items["t1"]["advantages"]) == (1, [2 * 0.75])
+    assert items["t1"]["baselined"] and items["t1"]["reward"] == 1.0
+    assert items["t1/0"]["advantages"] == [2 * (-0.75 / 0.5)] * 2  # group-std: / its std
+    assert items["t1/2"]["advantages"] == [2.0] * 3 and not items["t1/2"]["baselined"]
+    assert {s["key"] for s in released_turns(tmp_path, 1.0, 2.0, skip={"t1/0"})} == \
+        {"t0", "t1", "t1/2"}
+
+
+# ---- bounded, thread-safe books ----
+
+def test_trained_keys_are_bounded_once_running_and_the_queue_has_a_cap(own, tmp_path,
+                                                                       monkeypatch):
+    import rlproxy.trainer as trainer_module
+    from rlproxy.train_items import KeySet
+
+    keys = KeySet(["a", "b", "c"], limit=2)
+    assert list(keys) == ["b", "c"] and keys == {"b", "c"} and {"c"} <= keys
+    keys.add("b")
+    keys.add("d")  # the oldest, c, goes: b was added again
+    assert list(keys) == ["b", "d"]
+
+    monkeypatch.setattr(trainer_module, "TRAINED_KEEP", 3)
+    monkeypatch.setattr(trainer_module, "MAX_QUEUED", 5)
+    settings = make_settings(tmp_path, train=True, batch_size=4, save_interval=1000)
+    trainer = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
+    trainer.trained |= {"k1", "k2", "k3", "k4", "k5"}  # as read from a long training.jsonl
+    for i in range(8):
+        trainer.submit(random_item(own.vocab_size, 100 + i))
+    assert len(trainer.queued) == 5 and trainer.inbox.qsize() == 5
+    assert trainer.stats["dropped"] == 3
+    trainer.start()  # trims: start-up has resubmitted what needed the whole history
+    try:
+        assert len(trainer.trained) <= 3
+    finally:
+        trainer.stop()
+
+
+def test_submit_from_many_threads_while_the_trainer_trains(own, tmp_path):
+    """Issue 13 item 12: `queued` and `trained` change from the scorer's threads and the
+    trainer's; under the lock every item is trained exactly once and queued empties."""
+    import threading
+
+    settings = make_settings(tmp_path, train=True, batch_size=4, learning_rate=1e-4,
+                             save_interval=1000)
+    trainer = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
+    items = [random_item(own.vocab_size, 1000 + i, n_prompt=8, n_completion=4)
+             for i in range(32)]
+    trainer.start()
+    try:
+        threads = [threading.Thread(target=lambda part=items[k::4]: [
+            trainer.submit(s) for s in part * 3]) for k in range(4)]  # each item 3 times
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        deadline = time.time() + 60
+        while (trainer.queued or trainer.inbox.qsize()) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        trainer.stop()
+    assert not trainer.queued and trainer.error is None
+    trained = [u for ln in read_records(tmp_path, "training.jsonl") if ln["kind"] == "step"
+               for u in ln["uids"]]
+    assert sorted(trained) == sorted(s["turn"]["uid"] for s in items)

@@ -20,6 +20,7 @@ import requests
 from conftest import ServerThread, make_settings, read_records
 from demo_agent import run_sessions, training_settings, wait_for_steps
 from rlproxy.appkeys import MODEL, SETTINGS, TRAINER
+from rlproxy.demo import REWARD_FUNCTION
 from rlproxy.ui.index import RecordIndex
 
 KEY = "ui-key"
@@ -460,3 +461,66 @@ def test_a_rollback_keeps_the_checkpoint_it_rolled_back_to(trained):
         trainer.t.keep_checkpoints = 50
     kept = sorted(p.name for p in root.glob("step_*"))
     assert kept == ["step_000001", f"step_{r.json()['step']:06d}"]
+
+
+# ---- the eval gate's rollbacks: /healthz, the actions table, the reward chart ----
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A server whose learning rate is too high for its gate (as `rlproxy demo --guard`): each
+    step's candidate is refused and rolled back; the third in a row pauses training."""
+    data = tmp_path_factory.mktemp("data")
+    settings = make_settings(data, train=True, judge=False, at_least_one=False,
+                             reward_functions=[REWARD_FUNCTION], batch_size=2, fsync=False,
+                             learning_rate=2e-2, resume=False, **GUARD)
+    with ServerThread(settings) as s:
+        run_sessions(s.url, 0, 3)
+        deadline = time.monotonic() + 120
+        while not (requests.get(s.url + "/healthz").json()["trainer"]["error"] or "").startswith(
+                "training paused"):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        s.data_dir = data
+        yield s
+
+
+GUARD = {"eval_every": 1, "max_kl": 0.6, "eval_probes": 4, "eval_max_tokens": 8}
+
+
+def test_three_gate_rollbacks_in_a_row_pause_training_with_the_reason_on_healthz(guarded):
+    h = requests.get(guarded.url + "/healthz").json()
+    assert h["status"] == "ok" and h["adapter_version"] == 0  # nothing refused was served
+    t = h["trainer"]
+    assert t["alive"] and t["gate_rollbacks"] == 3 and t["evals"] == 3
+    assert t["error"].startswith("training paused: 3 rollbacks in a row by the eval gate; "
+                                 "the last: ") and "max_kl 0.6" in t["error"]
+    events = requests.get(guarded.url + "/ui/api/overview").json()["events"]
+    gate = [e for e in events if e["kind"] == "rollback"]
+    assert [e["step"] for e in gate] == [2, 4, 6] and all(e["gate"] for e in gate)
+    assert events[-1]["kind"] == "pause" and events[-1]["reason"] == t["error"]
+
+
+def test_the_reward_chart_marks_each_rollback_in_a_real_browser(guarded, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    errors: list[str] = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(guarded.url + "/ui")
+            page.wait_for_selector("#chart-reward line.rollback", state="attached")  # 0 wide
+            marks = page.locator("#chart-reward line.rollback")
+            assert marks.count() == 3
+            assert "max_kl 0.6" in marks.first.locator("title").text_content()
+            assert "trainer paused" in page.locator("#status").inner_text()
+            page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
+            page.goto(guarded.url + "/ui#/adapters")
+            page.wait_for_function("document.body.dataset.loaded === '#/adapters'")
+            assert page.get_by_text("candidate v1 refused").count() == 1
+            assert page.get_by_text("learning rate x0.125").count() == 1
+        finally:
+            browser.close()
+    assert errors == []

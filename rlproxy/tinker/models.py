@@ -12,7 +12,6 @@ ordering and sampling live elsewhere (routes.py, sampling.py).
 from __future__ import annotations
 
 import concurrent.futures
-import gc
 import json
 import queue
 import shutil
@@ -29,6 +28,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from rlproxy import losses
 from rlproxy.checkpoints import STATE, load_checkpoint
+from rlproxy.mlx_threads import mlx_thread
 from rlproxy.model import lora_weights, quantize_base, save_adapter
 from rlproxy.tinker.wire import UserError
 
@@ -53,7 +53,7 @@ class Worker:
         self._thread.join(timeout=60)
 
     def _run(self) -> None:
-        with mx.stream(mx.new_stream(mx.default_device())):
+        with mlx_thread():
             while (job := self._jobs.get()) is not None:
                 fut, fn, args = job
                 if fut.set_running_or_notify_cancel():
@@ -62,9 +62,6 @@ class Worker:
                     except BaseException as e:  # reported on the request's future
                         fut.set_exception(e)
                 del job, fut, fn, args
-        gc.collect()  # free this thread's arrays here, not at interpreter exit
-        mx.synchronize()
-        mx.clear_streams()
 
 
 @dataclass

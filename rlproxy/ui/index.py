@@ -146,7 +146,7 @@ class RecordIndex:
         kind, uid = r.get("kind"), r.get("uid")
         if kind == "score":
             self.scores[uid] = (offset, length, r.get("reward"))
-        elif kind == "release":
+        elif kind == "release" and r.get("key", uid) == uid:  # the continued choice's
             self.releases[uid] = {"reward": r.get("reward"), "reason": r.get("reason")}
         elif kind == "feedback":
             self.feedback[uid] = {"reward": r.get("reward"), "comment": r.get("comment"),

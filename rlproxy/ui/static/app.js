@@ -43,13 +43,17 @@ const when = (t) => t ? new Date(t * 1000).toLocaleString() : "–";
 // ---- charts: SVG drawn here ----
 
 function lineChart(title, id, series, opts = {}) {
+  // opts.marks: [{x, label}] drawn as dashed red vertical lines (the eval gate's rollbacks)
   const w = 440, h = 200, l = 48, r = 14, t = 22, b = 36;
   const all = series.flatMap(s => s.pts).filter(p => p[1] !== null && isFinite(p[1]));
+  const marks = opts.marks || [];
+  const xs = all.map(p => p[0]).concat(marks.map(m => m.x));
   const box = svg("svg", {id, width: "100%", viewBox: `0 0 ${w} ${h}`});
-  let x0 = Math.min(...all.map(p => p[0])), x1 = Math.max(...all.map(p => p[0]));
+  let x0 = Math.min(...xs), x1 = Math.max(...xs);
   let y0 = opts.ymin ?? Math.min(...all.map(p => p[1]));
   let y1 = opts.ymax ?? Math.max(...all.map(p => p[1]));
-  if (!all.length) { x0 = 0; x1 = 1; y0 = opts.ymin ?? 0; y1 = opts.ymax ?? 1; }
+  if (!all.length) { y0 = opts.ymin ?? 0; y1 = opts.ymax ?? 1; }
+  if (!xs.length) { x0 = 0; x1 = 1; }
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) { y1 += 1; y0 -= 1; }
   const X = x => l + (w - l - r) * (x - x0) / (x1 - x0);
@@ -70,6 +74,14 @@ function lineChart(title, id, series, opts = {}) {
   const xl = svg("text", {x: (l + w - r) / 2, y: h - 4, "text-anchor": "middle"});
   xl.textContent = opts.xlabel || "";
   box.append(xl);
+  for (const m of marks) {
+    const mark = svg("line", {x1: X(m.x), x2: X(m.x), y1: t, y2: h - b, stroke: "#d62728",
+                              "stroke-dasharray": "4 3", class: "rollback"});
+    const tip = svg("title", {});
+    tip.textContent = m.label;  // text: the reason is recorded data
+    mark.append(tip);
+    box.append(mark);
+  }
   let k = 0;
   for (const s of series) {
     const pts = s.pts.filter(p => p[1] !== null && isFinite(p[1]));
@@ -107,9 +119,11 @@ async function overview() {
   const d = await api("/ui/api/overview");
   const steps = d.steps;
   const reward = steps.filter(s => s.reward_mean !== null).map(s => [s.step, s.reward_mean]);
+  const rollbacks = d.events.filter(e => e.kind === "rollback" && e.step !== undefined)
+    .map(e => ({x: e.step, label: e.gate ? `rollback: ${e.reason}` : "rollback (operator)"}));
   const live = d.live.map(p => Object.assign({}, p, {x: (p.t - Date.now() / 1000) / 60}));
   const tr = d.trainer, sc = d.scoring, today = d.today;
-  const state = !tr.enabled ? "off" : tr.error ? "error" : tr.paused ? "paused" : "training";
+  const state = !tr.enabled ? "off" : tr.paused ? "paused" : tr.error ? "error" : "training";
   document.getElementById("status").textContent =
     `${d.model} · adapter v${d.adapter_version} · trainer ${state}`;
   return el("div", {},
@@ -127,7 +141,7 @@ async function overview() {
       lineChart("Reward per optimizer step", "chart-reward", [
         {name: "reward (step mean)", color: "#1f77b4", pts: reward, dots: true},
         {name: "rolling mean (10)", color: "#ff7f0e", pts: rolling(reward, 10)}],
-        {xlabel: "step", ymin: -1, ymax: 1}),
+        {xlabel: "step (dashed red: rollbacks)", ymin: -1, ymax: 1, marks: rollbacks}),
       lineChart("Loss and KL", "chart-loss", [
         {name: "loss", color: "#d62728", pts: steps.map(s => [s.step, s.loss])},
         {name: "KL", color: "#9467bd", pts: steps.map(s => [s.step, s.kl])}],
@@ -249,8 +263,12 @@ async function adapters() {
     el("h2", {}, "Actions"),
     d.events.length ? null : el("p", {}, "No rollback or pause yet."),
     el("table", {}, ...d.events.map(e => el("tr", {}, el("td", {}, e.kind),
-      el("td", {}, e.kind === "rollback" ? `to step ${e.checkpoint_step} as adapter v${e.adapter_version}` :
-        `at step ${e.step}`), el("td", {}, when(e.time))))));
+      el("td", {}, e.kind === "rollback" && e.gate ?
+        `eval gate, step ${e.step}: candidate v${e.rejected_version} refused (${e.reason}); ` +
+        `back to step ${e.checkpoint_step}'s adapter v${e.adapter_version}, learning rate ` +
+        `x${e.lr_scale}` :
+        e.kind === "rollback" ? `to step ${e.checkpoint_step} as adapter v${e.adapter_version}` :
+        `at step ${e.step}${e.reason ? ": " + e.reason : ""}`), el("td", {}, when(e.time))))));
 }
 
 async function route() {
