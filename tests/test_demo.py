@@ -141,14 +141,19 @@ def test_the_guarded_demo_rolls_back_a_learning_rate_set_too_high_and_marks_it(t
     printed = capsys.readouterr().out
     assert len(re.findall(r"step +\d+  ROLLBACK to step 0 \(adapter v0\): [^\n]*KL to the "
                           r"served \d\.\d+ >= max_kl 0.6", printed)) == 3, printed
-    assert "learning rate now x0.125 = 0.0025" in printed
-    assert "training paused: 3 rollbacks in a row by the eval gate" in printed
-    assert "eval gate: 3 evaluations, 0 published, 3 rolled back (at steps 2, 4, 6)" in printed
+    assert "learning rate now x0.125 = 0.0025" in printed, printed
+    assert "training paused: 3 rollbacks in a row by the eval gate" in printed, printed
+    # which step numbers the rollbacks take depends on how many batches the agents filled
+    # before the pause (timing): the figures that matter are 0 published and 3 rolled back
+    summary = re.search(r"eval gate: (\d+) evaluations, 0 published, 3 rolled back \(at "
+                        r"steps \d+, \d+, \d+\)", printed)
+    assert summary and int(summary.group(1)) >= 3, printed
 
     result = json.loads((tmp_path / "curve.json").read_text())
     assert result["learning_rate"] == demo_guard.GUARD_LEARNING_RATE and result["guard"]
     assert result["paused"].startswith("training paused")
-    assert [r["step"] for r in result["gate"]["rollbacks"]] == [2, 4, 6]
+    steps = [r["step"] for r in result["gate"]["rollbacks"]]
+    assert len(steps) == 3 and steps == sorted(set(steps)), result["gate"]
     assert [r["lr_scale"] for r in result["gate"]["rollbacks"]] == [0.5, 0.25, 0.125]
     assert {p["adapter_version"] for p in result["curve"]} == {0}  # nothing was published
     assert len({tuple(p["rewards"]) for p in result["curve"]}) == 1  # so nothing changed
