@@ -24,6 +24,7 @@ from rlproxy.schedule import lr_at
 from rlproxy.settings import ModelSettings, TrainerSettings
 from rlproxy.trainer import Trainer, training_copy
 from conftest import make_settings, read_records
+from test_trainer import sample  # the engine's own samples, token ids and log-probs
 
 PROMPTS = [[{"role": "user", "content": f"Tell me about {topic}."}]
            for topic in ("rivers", "bread", "trains", "owls", "glass", "tides")]
@@ -55,27 +56,6 @@ def byte_reward(turn, next_state):
 
 
 # ---- driving the real trainer ----
-
-def sample(engine, prompt, n, seed0, max_tokens=12):
-    queues = []
-    for i in range(n):
-        q = queue.Queue()
-        engine.submit(Job(prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0,
-                                                 seed=seed0 + i), q.put))
-        queues.append(q)
-    out = []
-    for q in queues:
-        ids, lps = [], []
-        while True:
-            step = q.get(timeout=60)
-            if step.token is not None:
-                ids.append(step.token.id)
-                lps.append(step.token.logprob)
-            if step.finish_reason:
-                break
-        out.append((ids, lps))
-    return out
-
 
 def item(prompt, messages, ids, lps, reward_fn):
     turn = {"uid": uuid.uuid4().hex, "prompt_ids": prompt, "messages": messages, "tools": None,
