@@ -79,7 +79,7 @@ def server(tiny, tmp_path_factory):
 def test_closing_thousands_of_idle_sessions_leaves_healthz_quick(server, tmp_path):
     """Issue 13: closing 2,589 idle sessions at once froze the server for 2.25 s."""
     store = SessionStore(tmp_path, idle_timeout_s=3600, fsync=True)
-    n = 1500
+    n = 3000
     for i in range(n):  # each with a pending turn of an agent-sized prompt
         file_turn(store, TurnTags(session_id=f"idle-{i}"), user(f"task {i}"),
                   prompt_tokens=4000)
