@@ -5,9 +5,11 @@ turn that trains in a few hundred MB."""
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import textwrap
+import time
 
 import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
@@ -17,6 +19,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from rlproxy import chunked_grad as cg
 from rlproxy import losses
+from rlproxy.jobs import Job, SamplingParams
 from rlproxy.model import load_serving_model
 from rlproxy.settings import ModelSettings
 from rlproxy.trainer import Trainer, training_copy
@@ -98,6 +101,18 @@ def assert_same_grads(got, want, rtol=1e-5):
         scale = mx.abs(w).max().item()
         assert scale > 0, k
         assert mx.abs(got[k] - w).max().item() <= rtol * scale + 1e-9, k
+
+
+def first_token_s(engine) -> float:
+    """Seconds to the first token of a short request (it is then run to its end)."""
+    q = queue.Queue()
+    tic = time.perf_counter()
+    engine.submit(Job([5, 6, 7, 8], SamplingParams(max_tokens=4, seed=1), q.put))
+    q.get(timeout=120)
+    took = time.perf_counter() - tic
+    while not q.get(timeout=120).finish_reason:
+        pass
+    return took
 
 
 def test_chunk_bounds_cut_at_mask_changes_and_shrink_deep_in_long_sequences():
@@ -240,10 +255,7 @@ def test_a_32k_token_turn_trains_with_bounded_memory(mode, tmp_path):
 def test_a_request_arriving_mid_step_is_not_held_for_the_step(tmp_path):
     """Serving first: the trainer yields between units, so a short request submitted while a
     long turn trains gets its first token long before the step ends."""
-    import queue
-    import time
-
-    from rlproxy.engine import Engine, Job, SamplingParams
+    from rlproxy.engine import Engine
 
     own = load_serving_model(ModelSettings())
     engine = Engine(own.model, own.tokenizer.eos_token_ids)
@@ -251,24 +263,14 @@ def test_a_request_arriving_mid_step_is_not_held_for_the_step(tmp_path):
     settings = make_settings(tmp_path, train=True, batch_size=1, learning_rate=1e-3)
     trainer = Trainer(settings, training_copy(own), own.lora_config, engine, data_dir=tmp_path)
 
-    def first_token_s():
-        q = queue.Queue()
-        tic = time.perf_counter()
-        engine.submit(Job([5, 6, 7, 8], SamplingParams(max_tokens=4, seed=1), q.put))
-        q.get(timeout=120)
-        took = time.perf_counter() - tic
-        while not q.get(timeout=120).finish_reason:
-            pass
-        return took
-
     try:
-        idle = min(first_token_s() for _ in range(3))
+        idle = min(first_token_s(engine) for _ in range(3))
         trainer.start()
         turn = random_turn(own.vocab_size, 12000, 16, seed=7)
         trainer.submit({"turn": turn, "reward": 1.0, "advantages": [1.0] * 16})
         while trainer.units["units"] < 5:  # well inside the step (about 60 units)
             time.sleep(0.01)
-        busy = first_token_s()
+        busy = first_token_s(engine)
         assert trainer.stats["steps"] == 0  # the step was still running
         deadline = time.time() + 300
         while trainer.stats["steps"] < 1 and time.time() < deadline:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import queue
 import statistics
 import time
 import uuid
@@ -17,13 +16,14 @@ import mlx.core as mx
 import pytest
 
 from rlproxy import eval_gate
-from rlproxy.engine import Engine, Job, SamplingParams
+from rlproxy.engine import Engine
 from rlproxy.checkpoints import latest_checkpoint
 from rlproxy.model import load_serving_model, lora_weights
 from rlproxy.schedule import lr_at
 from rlproxy.settings import ModelSettings, TrainerSettings
 from rlproxy.trainer import Trainer, training_copy
 from conftest import make_settings, read_records
+from test_chunked_grad import first_token_s
 from test_trainer import sample  # the engine's own samples, token ids and log-probs
 
 PROMPTS = [[{"role": "user", "content": f"Tell me about {topic}."}]
@@ -325,16 +325,6 @@ def test_an_evaluation_does_not_hold_a_request_arriving_during_it(own, tmp_path)
     engine, trainer, prompts = make(tmp_path, own, eval_every=1, eval_probes=1,
                                     eval_max_tokens=8, eval_prompts=str(path))
 
-    def first_token_s():
-        q = queue.Queue()
-        tic = time.perf_counter()
-        engine.submit(Job([5, 6, 7, 8], SamplingParams(max_tokens=4, seed=1), q.put))
-        q.get(timeout=120)
-        took = time.perf_counter() - tic
-        while not q.get(timeout=120).finish_reason:
-            pass
-        return took
-
     lines = []
 
     def evaluate():
@@ -342,12 +332,12 @@ def test_an_evaluation_does_not_hold_a_request_arriving_during_it(own, tmp_path)
             lines.append(trainer.gate.check())
 
     try:
-        idle = min(first_token_s() for _ in range(3))
+        idle = min(first_token_s(engine) for _ in range(3))
         worker = threading.Thread(target=evaluate)
         worker.start()
         while trainer.units["units"] < 10:  # well inside it (4 prefills of ~47 units each)
             time.sleep(0.01)
-        busy = first_token_s()
+        busy = first_token_s(engine)
         assert worker.is_alive()  # the evaluation was still running
         worker.join(300)
     finally:
