@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench/results/fairness.json"))
     args = p.parse_args()
     load_before = os.getloadavg()[0]
-    settings = load_settings({"embedded_size": args.size,
+    settings = load_settings({"model": args.size,
                               "prefill_step_size": args.prefill_step_size}, environ={})
     loaded = load_serving_model(settings.model)
     tok = loaded.tokenizer

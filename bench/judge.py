@@ -216,7 +216,7 @@ async def run(args: argparse.Namespace) -> dict:
             for name, yield_ms in (("yield", YIELD_MS), ("no-yield", 0.0)):
                 # environ={}: the benchmark must not pick up a user's RLPROXY_* settings.
                 settings = load_settings({
-                    "embedded_size": args.size, "data_dir": Path(tmp) / name, "train": False,
+                    "model": args.size, "data_dir": Path(tmp) / name, "train": False,
                     "method": "rl", "prm_m": 3, "prm_max_tokens": args.prm_max_tokens,
                     "judge_yield_ms": yield_ms}, environ={})
                 runner, url = await start_server(settings, None)

@@ -195,7 +195,7 @@ def serve_sessions(loaded, versions: list, lag: int, args, directory: Path) -> d
 def run(args) -> dict:
     load_before = os.getloadavg()[0]
     tmp = Path(tempfile.mkdtemp(prefix="rlproxy-kvlag-"))
-    flags = {"embedded_size": args.size, "data_dir": str(tmp), "batch_size": 2}
+    flags = {"model": args.size, "data_dir": str(tmp), "batch_size": 2}
     if args.prompt_grad:  # the trainer's default otherwise
         flags["prompt_grad"] = args.prompt_grad
     loaded = load_serving_model(load_settings(flags, environ={}).model)

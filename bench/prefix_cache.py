@@ -98,7 +98,7 @@ async def warm_up(http: aiohttp.ClientSession, url: str) -> None:
 async def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()[0]
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="rlproxy-bench-"))
-    flags = {"embedded_size": args.size, "data_dir": str(data_dir)}
+    flags = {"model": args.size, "data_dir": str(data_dir)}
     settings = load_settings(flags, environ={})
     cold_settings = load_settings({**flags, "prefix_cache": False,
                                    "data_dir": str(data_dir / "cold")}, environ={})

@@ -247,7 +247,7 @@ def summary_lines(result: dict) -> list[str]:
 async def run(args: argparse.Namespace) -> dict:
     # environ={}: the benchmark must not pick up a user's RLPROXY_API_KEY or the like.
     load_before = os.getloadavg()[0]
-    settings = load_settings({"embedded_size": args.size}, environ={})
+    settings = load_settings({"model": args.size}, environ={})
     loaded = load_serving_model(settings.model)
     runner, url = await start_server(settings, loaded)
     try:

@@ -163,7 +163,7 @@ def scored_turn(prompt_ids: list[int], completion: tuple[list[int], list[float]]
 
 def bench_settings(size: str, data_dir: Path, duty_cycle: float = 0.5) -> Settings:
     # environ={}: the benchmark must not pick up a user's RLPROXY_* variables.
-    return load_settings({"embedded_size": size, "data_dir": data_dir, "save_interval": 10**9,
+    return load_settings({"model": size, "data_dir": data_dir, "save_interval": 10**9,
                           "duty_cycle": duty_cycle}, environ={})
 
 

@@ -66,7 +66,7 @@ def main() -> None:
     from tinker import types
 
     load_before = os.getloadavg()[0]
-    loaded = load_serving_model(ModelSettings(embedded_size=a.size))
+    loaded = load_serving_model(ModelSettings(model=a.size))
     rng = np.random.default_rng(0)
     seqs = rng.integers(3, loaded.vocab_size, size=(a.batch, a.tokens + 1))
     data = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1].tolist()),
@@ -80,7 +80,7 @@ def main() -> None:
                            for s in seqs]}
     adam = {"learning_rate": 1e-4}
     settings = load_settings({"data_dir": tempfile.mkdtemp(), "train": False,
-                              "embedded_size": a.size}, environ={})
+                              "model": a.size}, environ={})
     url, stop = serve_in_background(settings, loaded)
     try:
         tc = tinker.ServiceClient(base_url=url, api_key="tml-local").create_lora_training_client(

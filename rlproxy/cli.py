@@ -70,7 +70,7 @@ def fuse_cmd(args: argparse.Namespace) -> int:
     from rlproxy.checkpoints import fuse
     from rlproxy.model import resolve_model_path
 
-    settings = load_settings({"model": args.model, "embedded_size": args.embedded_size})
+    settings = load_settings({"model": args.model})
     source, _ = resolve_model_path(settings.model)
     # one unit: fuse() loads, merges and saves in one call; the bar shows the time it takes
     with progress.phase("fused the adapter into the model"), progress.bar(
@@ -145,7 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--adapter", required=True, help="adapter dir (e.g. a checkpoint step_*)")
     f.add_argument("--out", required=True, help="where to write the fused model")
     add_setting_flag(f, "model")
-    add_setting_flag(f, "embedded_size")
     f.set_defaults(func=fuse_cmd)
     tr = sub.add_parser("train", help="retrain an adapter offline from recorded, scored turns",
                         allow_abbrev=False, description=SETTINGS_SOURCES,
@@ -158,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=30, help="PPO steps to run (default: 30)")
     d.add_argument("--out", default="rlproxy-demo",
                    help="folder for the plot and records (default: rlproxy-demo)")
-    add_setting_flag(d, "embedded_size", default=ModelSettings().embedded_size)
+    add_setting_flag(d, "model", default=ModelSettings().model)
     d.add_argument("--guard", action="store_true",
                    help="turn the eval gate on and raise the learning rate until it rolls back")
     d.add_argument("--log-level", default="WARNING", metavar="LEVEL",

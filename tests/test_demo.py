@@ -77,7 +77,7 @@ STEPS = 4
 
 
 def test_demo_runs_trains_and_writes_the_curve(tmp_path, capsys):
-    args = argparse.Namespace(steps=STEPS, out=str(tmp_path), embedded_size="tiny",
+    args = argparse.Namespace(steps=STEPS, out=str(tmp_path), model="tiny",
                               log_level="WARNING", guard=False)
     assert demo.run_demo(args) == 0
     printed = capsys.readouterr().out
@@ -135,7 +135,7 @@ def test_the_guarded_demo_rolls_back_a_learning_rate_set_too_high_and_marks_it(t
     curve.json and the chart mark each rollback."""
     from rlproxy import demo_guard
 
-    args = argparse.Namespace(steps=12, out=str(tmp_path), embedded_size="tiny",
+    args = argparse.Namespace(steps=12, out=str(tmp_path), model="tiny",
                               log_level="WARNING", guard=True)
     assert demo.run_demo(args) == 0
     printed = capsys.readouterr().out

@@ -76,7 +76,7 @@ def start_server(data_dir: Path, log_path: Path,
     env["PYTHONUNBUFFERED"] = "1"
     log = open(log_path, "ab")
     proc = subprocess.Popen(
-        [sys.executable, *python_args, "serve", "--port", str(port),
+        [sys.executable, *python_args, "serve", "--model", "tiny", "--port", str(port),
          "--data-dir", str(data_dir), "--log-level", "WARNING"],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()

@@ -65,7 +65,7 @@ def run(n: int, seed: int, tmp_path, steps: int = STEPS) -> list[float]:
     """Train STEPS steps on N choices per request; the byte share reward (unshifted) of each
     step's samples, which the policy being trained drew (the trainer publishes every step)."""
     mx.random.seed(seed)  # the same LoRA initialisation for both arms of a seed
-    own = load_serving_model(ModelSettings())
+    own = load_serving_model(ModelSettings(model="tiny"))
     settings = make_settings(tmp_path, train=True, batch_size=BATCH, learning_rate=LR,
                              save_interval=1000, baseline="group" if n > 1 else "mean")
     engine = Engine(own.model, own.tokenizer.eos_token_ids)

@@ -112,7 +112,7 @@ def seeded_model(seed: int = 0):
     """The tiny model with its LoRA initialised from SEED (lora_a is random), so that a run's
     training dynamics repeat; the engine publishes into it: a private copy."""
     mx.random.seed(seed)
-    return load_serving_model(ModelSettings())
+    return load_serving_model(ModelSettings(model="tiny"))
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ def first_logprob(model, weights: list[dict], prompt: list[int], n: int, token: 
 @pytest.fixture
 def changing():
     """A model of its own (its adapter changes here) and the adapters it will be given."""
-    loaded = load_serving_model(ModelSettings())
+    loaded = load_serving_model(ModelSettings(model="tiny"))
     v0 = dict(lora_weights(loaded.model))
     return loaded, [v0] + [changed_adapter(loaded.model, seed=s) for s in (1, 2, 3)]
 
@@ -77,7 +77,7 @@ def test_lagged_prefix_is_reused_and_bounded(changing, tmp_path):
         c = e.cache.counters()
         assert (c["hits_stale"], c["cached_tokens_stale"]) == (1, len(stored))
         # The KV really is version 0's: the log-prob of a v0 prefix + v1 rest, not exact v1's.
-        ref = load_serving_model(ModelSettings()).model
+        ref = load_serving_model(ModelSettings(model="tiny")).model
         got, token = steps[0].token.logprob, steps[0].token.id
         stale = first_logprob(ref, adapters[:2], prompt, len(stored), token)
         exact = first_logprob(ref, adapters[1:2] * 2, prompt, len(stored), token)
@@ -211,7 +211,7 @@ def test_restart_resuming_a_served_adapter_keeps_its_window(changing, tmp_path):
         e.close()
     prompt = a + [s.token.id for s in steps] + [7]
     for resumed, want in ((adapters[2], (1, len(prompt) - 1)), (adapters[3], (None, 0))):
-        fresh = load_serving_model(ModelSettings())  # a new process: version 0, zero adapter
+        fresh = load_serving_model(ModelSettings(model="tiny"))  # a new process: version 0, zero adapter
         e = Engines(fresh, tmp_path / "pc", kv_reuse_max_lag=2)
         try:
             publish(e.engine, resumed, 2)  # what Trainer.resume does with its checkpoint

@@ -158,7 +158,7 @@ def test_log_format_json_in_the_config_file_is_applied(tmp_path):
     import sys
 
     config = tmp_path / "rlproxy.toml"
-    config.write_text(f'[server]\nlog_format = "json"\n\n[records]\ndata_dir = "{tmp_path}"\n')
+    config.write_text(f'[server]\nlog_format = "json"\n\n[model]\nmodel = "tiny"\n\n[records]\ndata_dir = "{tmp_path}"\n')
     code = ("import logging, rlproxy.api.edge as w\n"
             "w.run_app = lambda app, **kw: logging.getLogger('rlproxy.t').warning('hello')\n"
             "from rlproxy.cli import main\n"

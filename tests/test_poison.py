@@ -56,7 +56,7 @@ def serve(data: Path, tmp: Path, log: Path) -> tuple[subprocess.Popen, str]:
         [str(tmp), str(REPO), env.get("PYTHONPATH", "")]))
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rlproxy.cli", "serve", "--port", str(port), "--data-dir",
+            [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port", str(port), "--data-dir",
              str(data), "--log-level", "WARNING", "--batch-size", "1", "--no-judge",
              "--no-at-least-one", "--reward-function", "poison_reward:reward",
              "--save-interval", "1000", "--no-prefix-cache", "--prompt-grad", "full"],
@@ -189,7 +189,7 @@ def wait_until(check, timeout: float = 60, what: str = ""):
 
 @pytest.fixture(scope="module")
 def own():
-    return load_serving_model(ModelSettings())  # trained here: a private copy
+    return load_serving_model(ModelSettings(model="tiny"))  # trained here: a private copy
 
 
 def test_a_step_that_raises_is_retried_turn_by_turn_and_its_turn_quarantined(own, tmp_path):
@@ -453,7 +453,7 @@ def test_the_default_memory_budget_leaves_room_for_the_loaded_weights(own, tmp_p
     alone = Trainer(make_settings(tmp_path, train=True), model, own.lora_config,
                     data_dir=tmp_path)
     alone.stop()
-    ref = load_serving_model(ModelSettings()).model
+    ref = load_serving_model(ModelSettings(model="tiny")).model
     with_ref = Trainer(make_settings(tmp_path, train=True), model, own.lora_config,
                        data_dir=tmp_path, ref_model=ref)
     with_ref.stop()

@@ -213,8 +213,8 @@ def publish(engine: Engine, weights, version: int) -> None:
 
 def test_other_adapter_versions_are_never_used(tmp_path):
     """With --kv-reuse-max-lag 0 (exact KV only); test_kv_lag.py covers the lag."""
-    loaded = load_serving_model(ModelSettings())  # its weights change here
-    reference = load_serving_model(ModelSettings())
+    loaded = load_serving_model(ModelSettings(model="tiny"))  # its weights change here
+    reference = load_serving_model(ModelSettings(model="tiny"))
     rng = random.Random(3)
     p0 = random_tokens(rng, 120)
     e = Engines(loaded, tmp_path / "pc", reference_model=reference.model, kv_reuse_max_lag=0)
@@ -238,7 +238,7 @@ def test_other_adapter_versions_are_never_used(tmp_path):
     finally:
         e.close()
     # After a restart, version 1 again but other weights: the fingerprint tells them apart.
-    fresh = load_serving_model(ModelSettings())
+    fresh = load_serving_model(ModelSettings(model="tiny"))
     e = Engines(fresh, tmp_path / "pc", reference_model=reference.model, kv_reuse_max_lag=0)
     try:
         v1_other = changed_adapter(fresh.model, seed=2)

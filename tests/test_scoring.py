@@ -329,7 +329,7 @@ def test_local_judge_leaves_the_serving_adapter_alone(tmp_path):
     from rlproxy.model import load_serving_model
     from rlproxy.settings import ModelSettings
 
-    own = load_serving_model(ModelSettings())  # this test's own copy: weights are compared
+    own = load_serving_model(ModelSettings(model="tiny"))  # this test's own copy: weights are compared
     before = {k: mx.array(v) for k, v in lora_weights(own.model).items()}
     with ServerThread(make_settings(tmp_path, prm_m=2), own) as s:
         run_session(s, "local", ["thanks", "and another"])

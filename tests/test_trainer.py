@@ -35,7 +35,7 @@ def target_reward(turn, next_state):
 
 @pytest.fixture
 def own():
-    return load_serving_model(ModelSettings())  # weights change in these tests: a private copy
+    return load_serving_model(ModelSettings(model="tiny"))  # weights change in these tests: a private copy
 
 
 def sample(engine, prompt, n, seed0, max_tokens=12):
@@ -125,7 +125,7 @@ def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(own, tm
     finally:
         trainer.stop()
         engine.stop()
-    fresh = load_serving_model(ModelSettings())
+    fresh = load_serving_model(ModelSettings(model="tiny"))
     engine = Engine(fresh.model, fresh.tokenizer.eos_token_ids)
     engine.start()
     resumed = Trainer(settings, training_copy(fresh), fresh.lora_config, engine,
@@ -177,7 +177,7 @@ def test_learning_a_verifiable_reward_beats_chance(own, tmp_path):
 
 
 def test_streaming_clients_survive_hot_swaps(tmp_path):
-    own = load_serving_model(ModelSettings())
+    own = load_serving_model(ModelSettings(model="tiny"))
     settings = make_settings(tmp_path, train=True, judge=False, at_least_one=False,
                              batch_size=1, learning_rate=1e-3, save_interval=1000,
                              reward_functions=["test_trainer:target_reward"])
