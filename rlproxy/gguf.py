@@ -95,21 +95,49 @@ def converted_dir(gguf: Path, dequantize: bool, cache_dir: Path) -> Path:
     return path
 
 
+# What mx.load reads: these stay quantized (MLX's affine layout) or are plain floats ...
+MX_READS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+# ... and these K-quants it dequantizes to float16 while loading.
+MX_READS_AS_F16 = ("Q2_K", "Q4_K", "Q6_K")
+
+
 def read_gguf(gguf: Path) -> tuple[dict, dict]:
     import mlx.core as mx
 
     try:
         return mx.load(str(gguf), return_metadata=True)
     except (RuntimeError, ValueError) as e:
-        raise GGUFError(
-            f"cannot read {gguf.name}: {e}. mx.load reads GGUF tensors of type F32, F16, BF16, "
-            "Q4_0, Q4_1 and Q8_0; the K-quants (Q4_K_M, Q5_K, Q6_K, ...) are not supported: "
-            "use a Q4_0, Q4_1, Q8_0 or F16 file of the model") from e
+        raise GGUFError(f"cannot read {gguf.name} ({e}): {unreadable_types(gguf)} "
+                        f"mx.load reads tensors of type {', '.join(MX_READS)}, and "
+                        f"{', '.join(MX_READS_AS_F16)} as float16; use a file of the model "
+                        "quantized as Q4_0, Q8_0 or F16") from e
+
+
+def unreadable_types(gguf: Path) -> str:
+    """Which tensor types in the file mx.load cannot read, read with llama.cpp's own `gguf`
+    package (only when mx.load has failed)."""
+    from gguf import GGUFReader
+
+    try:
+        tensors = GGUFReader(str(gguf)).tensors
+    except Exception as e:  # not even its header parses
+        return f"it is not a readable GGUF file ({e})."
+    found: dict[str, str] = {}
+    for t in tensors:
+        kind = t.tensor_type.name
+        if kind not in MX_READS + MX_READS_AS_F16:
+            found.setdefault(kind, t.name)
+    if not found:
+        return "its tensors are of supported types, but it did not load."
+    return "it holds tensors of type " + ", ".join(
+        f"{kind} (e.g. {name})" for kind, name in found.items()) + ", which are not supported."
 
 
 def convert(gguf: Path, out: Path, dequantize: bool) -> None:
     weights, meta = read_gguf(gguf)
     arch = scalar(meta, "general.architecture")
+    if arch is None:
+        raise GGUFError(f"{gguf.name} has no general.architecture: it is not a model file")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{gguf.name}: architecture {arch!r} is not supported; rlproxy converts "
                         f"GGUF models of architecture {', '.join(ARCHITECTURES)}")
