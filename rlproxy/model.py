@@ -62,7 +62,8 @@ def resolve_source(model: str, dequantize: str = "auto") -> ModelSource:
         return ModelSource(str(embedded_model_path(model)), f"rlproxy-embedded-{model}",
                            f"generated {model} model with random weights (no network)")
     dequant = gguf.use_dequantized(dequantize)
-    weights = "dequantized to float" if dequant else "quantized as in the file"
+    weights = (f"dequantized to float32 (--dequantize {dequantize})" if dequant
+               else f"kept quantized as in the file (--dequantize {dequantize})")
     if model in NAMED_MODELS:
         spec = NAMED_MODELS[model]
         path = gguf.converted_dir(named_model_file(model), dequant, model_cache_dir())
