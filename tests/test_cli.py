@@ -45,7 +45,8 @@ def recorded(tmp_path_factory):
 
 def test_offline_train_then_fuse(recorded, tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["train", "--from", str(recorded), "--data-dir", str(out), "--batch-size", "4",
+    rc = main(["train", "--from", str(recorded), "--model", "tiny", "--data-dir", str(out),
+               "--batch-size", "4",
                "--learning-rate", "1e-3", "--log-level", "WARNING"])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -56,7 +57,7 @@ def test_offline_train_then_fuse(recorded, tmp_path, capsys):
     assert (ckpt / "adapters.safetensors").exists()
 
     fused_dir = tmp_path / "fused"
-    assert main(["fuse", "--adapter", str(ckpt), "--out", str(fused_dir)]) == 0
+    assert main(["fuse", "--model", "tiny", "--adapter", str(ckpt), "--out", str(fused_dir)]) == 0
     fused, tok = mlx_lm.load(str(fused_dir))
     base = load_serving_model(ModelSettings(model="tiny"))
     with_adapter, _ = mlx_lm.load(base.source, adapter_path=str(ckpt))

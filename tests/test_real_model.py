@@ -1,8 +1,9 @@
 """SmolLM2-135M-Instruct, the default model, through the real server and real SDKs.
 
 Behaviour that depends on real weights: a known answer, log-probs exact against mlx-lm's own
-forward pass, and QLoRA training on the 4-bit base that moves the served log-probs, with a
-rollback that restores them exactly.
+forward pass, QLoRA training on the 4-bit base that moves the served log-probs (and a rollback
+that restores them exactly), the local judge and the OPD teacher on the same model, the prefix
+cache, the Tinker SDK's loop, and `rlproxy fuse`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 
 import anthropic
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 import mlx_lm
 import pytest
@@ -18,6 +20,9 @@ import requests
 
 from conftest import ServerThread, make_settings, read_records
 from demo_agent import wait_for_steps
+from test_scoring import Judge, lines, run_session, wait_scored
+from rlproxy import scoring
+from rlproxy.cli import main
 from rlproxy.model import load_serving_model
 from rlproxy.settings import ModelSettings
 
@@ -119,3 +124,105 @@ def test_a_qlora_step_moves_the_served_logprobs_and_a_rollback_restores_them(tmp
         assert probe(s) == after_one  # exactly: the same adapter, the same arithmetic
     steps = [x for x in read_records(tmp_path, "training.jsonl") if x["kind"] == "step"]
     assert [x["step"] for x in steps] == [1, 2]
+
+
+def test_the_local_judge_votes_with_the_real_model(real, tmp_path):
+    """No judge URL: the judge is SmolLM2 itself (adapter off). Its votes are real text."""
+    settings = make_settings(tmp_path, model=NAME, prm_m=2, prm_max_tokens=16,
+                             at_least_one=False)
+    with ServerThread(settings, real) as s:
+        run_session(s, "judged", ["Thanks, that is right!"])
+        wait_scored(s, 2, timeout=120)
+    (score,) = [x for x in lines(tmp_path, "score") if x["index"] == 0]
+    assert len(score["votes"]) == 2 and all(v["error"] is None for v in score["votes"])
+    assert all(v["text"].strip() for v in score["votes"])  # the model wrote something
+    assert score["judge_reward"] in (-1, 0, 1)
+
+
+def test_the_opd_teacher_scores_exact_logprobs_on_the_real_model(real, tmp_path):
+    """A scripted hint judge (the one seam that cannot be real here); the teacher is SmolLM2:
+    its log-probs of the turn's completion under the hinted prompt are mlx-lm's own."""
+    with Judge() as judge:
+        settings = make_settings(tmp_path, model=NAME, judge_url=judge.url, method="opd",
+                                 judge_timeout_s=5.0)
+        with ServerThread(settings, real) as s:
+            run_session(s, "opd", ["[hint yes] use Celsius"])
+            wait_scored(s, 2, timeout=120)
+    (score,) = [x for x in lines(tmp_path, "score") if x["index"] == 0]
+    (record,) = [x for x in read_records(tmp_path) if x["index"] == 0]
+    hinted = scoring.hinted_messages(record["messages"], score["hint"])
+    prompt = real.tokenizer.apply_chat_template(hinted, add_generation_prompt=True)
+    ids = record["choices"][0]["completion_ids"]
+    logits = real.model(mx.array(prompt + ids)[None])[0, len(prompt) - 1:-1]
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    want = [lp[k, t].item() for k, t in enumerate(ids)]
+    assert score["teacher_logprobs"] == pytest.approx(want, abs=1e-4)
+
+
+def test_a_session_turn_starts_from_the_prefix_cache_and_answers_the_same(real, tmp_path):
+    messages = [{"role": "system", "content": "You are a geography tutor. " * 20},
+                {"role": "user", "content": "What is the capital of France?"}]
+    answers = {}
+    for cache in (True, False):
+        settings = make_settings(tmp_path / str(cache), model=NAME, prefix_cache=cache)
+        with ServerThread(settings, real) as s:
+            c, history = s.client(), list(messages)
+            for turn in range(2):
+                r = c.chat.completions.create(model=NAME, messages=history, max_tokens=12,
+                                              temperature=0, logprobs=True,
+                                              extra_headers={"X-Session-Id": "geo"})
+                history += [{"role": "assistant", "content": r.choices[0].message.content},
+                            {"role": "user", "content": "And of Italy?"}]
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            answers[cache] = (r.choices[0].message.content,
+                              [t.logprob for t in r.choices[0].logprobs.content], cached)
+        system = len(real.tokenizer.apply_chat_template(messages[:1]))
+    assert answers[True][2] >= system and answers[False][2] == 0  # turn 1's prompt, reused
+    assert answers[True][0] == answers[False][0]
+    assert answers[True][1] == pytest.approx(answers[False][1], abs=1e-4)
+
+
+def test_the_tinker_sdk_trains_and_samples_the_real_model(real, tmp_path):
+    tinker = pytest.importorskip("tinker")
+    from tinker import types
+
+    ids = real.tokenizer.encode("The capital of France is Paris. The capital of Peru is Lima.")
+    datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={"target_tokens": np.array(ids[1:], dtype=np.int64),
+                                        "weights": np.ones(len(ids) - 1, dtype=np.float32)})
+    with ServerThread(make_settings(tmp_path, model=NAME), real) as s:
+        service = tinker.ServiceClient(base_url=s.url, api_key="tml-local")
+        assert NAME in [m.model_name for m in service.get_server_capabilities().supported_models]
+        tc = service.create_lora_training_client(base_model=NAME, rank=8, seed=0).result()
+        losses = []
+        for _ in range(4):
+            fb = tc.forward_backward([datum], loss_fn="cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            losses.append(fb.result().metrics["loss:sum"])
+        assert losses[-1] < losses[0], losses
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = types.ModelInput.from_ints(real.tokenizer.encode("The capital of France is"))
+        out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, temperature=1.0,
+                                                             seed=1)).result()
+        assert len(out.sequences) == 2 and all(len(q.tokens) > 0 for q in out.sequences)
+
+
+@pytest.mark.slow
+def test_a_trained_adapter_fuses_into_the_real_model(real, tmp_path):
+    """Train two steps through the server, then `rlproxy fuse` (default model: SmolLM2):
+    the fused directory gives base + adapter's logits."""
+    settings = make_settings(
+        tmp_path / "data", model=NAME, train=True, judge=False, at_least_one=False,
+        reward_functions=["test_real_model:shorter_is_better"], batch_size=2,
+        learning_rate=1e-3, save_interval=1, resume=False, fsync=False)
+    own = load_serving_model(ModelSettings(model=NAME))
+    with ServerThread(settings, own) as s:
+        train_one_step(s, 0, 1)
+    ckpt = tmp_path / "data" / "checkpoints" / "step_000001"
+    assert main(["fuse", "--adapter", str(ckpt), "--out", str(tmp_path / "fused")]) == 0
+    fused, _ = mlx_lm.load(str(tmp_path / "fused"))
+    with_adapter, _ = mlx_lm.load(real.source, adapter_path=str(ckpt))
+    x = mx.array(real.tokenizer.encode("fused weights equal base plus adapter"))[None]
+    fused_logits, adapted = fused(x).astype(mx.float32), with_adapter(x).astype(mx.float32)
+    assert mx.allclose(fused_logits, adapted, atol=1e-3).item()
+    assert not mx.allclose(fused_logits, real.model(x), atol=1e-3).item()
