@@ -1,12 +1,14 @@
 """From a parsed chat request to engine jobs, and from engine tokens back to OpenAI choices.
 
-Owns: templating the prompt, token budgets, per-choice text assembly (streaming detokenization,
-stop strings, `<tool_call>` blocks turned into `tool_calls`, logprobs) and the exact token record
-of each choice. Does not own HTTP (server.py) or the model (engine.py).
+Owns: a request's prompt (chat_template.py renders it), token budgets, per-choice text assembly
+(streaming detokenization, stop strings, `<tool_call>` blocks turned into `tool_calls`,
+logprobs) and the exact token record of each choice. Does not own HTTP (server.py) or the model
+(engine.py).
 
 Library parts: markers and stop strings are matched by mlx-lm's `TextStateMachine` (with
 transitions of our own; ChoiceText says why), tool calls are read by the model's mlx-lm tool
-parser given the request's tools, and token bytes come from transformers' `bytes_to_unicode`.
+parser given the request's tools (or the fallback format's parser, for templates without tool
+support: chat_template.py), and token bytes come from transformers' `bytes_to_unicode`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mlx_lm.generate import TextStateMachine
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from rlproxy import protocol
+from rlproxy.chat_template import ToolFormat, render_prompt, tool_format
 from rlproxy.engine import Engine, Job, SamplingParams
 from rlproxy.protocol import APIError, ChatRequest
 
@@ -37,10 +40,10 @@ def build_prompt(tokenizer, req: ChatRequest) -> Prompt:
     messages = protocol.template_messages(req)
     tools = protocol.template_tools(req)
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        ids = render_prompt(tokenizer, messages, tools)
     except Exception as e:  # jinja raises on conversations the template refuses
         raise APIError(400, f"the chat template rejected these messages: {e}", param="messages")
-    return Prompt(ids=list(ids), messages=messages, tools=tools)
+    return Prompt(ids=ids, messages=messages, tools=tools)
 
 
 def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max: int,
@@ -108,7 +111,8 @@ class ChoiceText:
     """One choice's text as it streams: holds back what may be the start of a stop string, a
     tool-call or a think marker, cuts at the first stop string, turns `<tool_call>...
     </tool_call>` blocks into OpenAI tool calls (only when the request offered tools; the
-    model's tool parser gets the request's tools, so arguments are typed from their schema),
+    model's tool parser gets the request's tools, so arguments are typed from their schema;
+    the markers and parser are chat_template.tool_format's: the model's own, or the fallback's),
     and splits off reasoning: text inside a think block that opens the completion (or that the
     prompt opened) up to its end marker. Tool calls are not parsed inside reasoning.
 
@@ -124,14 +128,17 @@ class ChoiceText:
         self.tokenizer, self.tools = tokenizer, tools
         self.detokenizer = tokenizer.detokenizer
         self.stop = [s for s in (stop or []) if s]
-        self.tool_start = tokenizer.tool_call_start if parse_tools else None
+        self.format: ToolFormat | None = tool_format(tokenizer) if parse_tools else None
+        self.tool_start = self.format.start if self.format else None
+        self.tool_end = self.format.end if self.format else None
         self.stopped = False  # a stop string matched: the choice ends here
         self.stop_sequence: str | None = None  # which one (Anthropic's stop_sequence reports it)
         self.text = ""  # all content emitted
         self.tool_calls: list[dict] = []
         self.reasoning = ""  # all reasoning emitted
         self.think_start = reasoning[0] if reasoning else None
-        self._machine = _machine(tokenizer, tuple(self.stop), self.tool_start, reasoning)
+        self._machine = _machine(tokenizer, tuple(self.stop), self.tool_start, self.tool_end,
+                                 reasoning)
         self._head = ""  # the completion's start, until it shows whether a think block opens
         self._state = None if reasoning and not in_reasoning else \
             self._machine.make_state("reasoning" if in_reasoning else "normal")
@@ -156,8 +163,8 @@ class ChoiceText:
         if self.stopped:
             return out
         self._state, rest, state = TextStateMachine.flush(self._state)
-        if state == "tool" and not self.tokenizer.tool_call_end:  # a format whose calls run
-            out += self._tool_call(self._tool + rest)  # to the end of the completion
+        if state == "tool" and not self.tool_end:  # a format whose calls run to the end
+            out += self._tool_call(self._tool + rest)
         elif state == "tool":  # an unterminated call: give the text back as it was written
             out += self._content(self.tool_start + self._tool + rest)
             self._tool = ""
@@ -215,13 +222,13 @@ class ChoiceText:
 
     def _tool_call(self, block: str) -> list[tuple[str, object]]:
         try:
-            parsed = self.tokenizer.tool_parser(block, self.tools)
+            parsed = self.format.parser(block, self.tools)
             calls = [(p["name"], p.get("arguments", {}))
                      for p in (parsed if isinstance(parsed, list) else [parsed])]
         except Exception:  # not a call after all: the text stays, markers and all
             calls = None
         if not calls or not all(isinstance(name, str) for name, _ in calls):
-            return self._content(self.tool_start + block + (self.tokenizer.tool_call_end or ""))
+            return self._content(self.tool_start + block + (self.tool_end or ""))
         out = []
         for name, arguments in calls:
             if not isinstance(arguments, str):
@@ -234,7 +241,7 @@ class ChoiceText:
 
 
 @functools.lru_cache(maxsize=256)
-def _machine(tokenizer, stop: tuple[str, ...], tool_start: str | None,
+def _machine(tokenizer, stop: tuple[str, ...], tool_start: str | None, tool_end: str | None,
              reasoning: tuple[str, str] | None) -> TextStateMachine:
     """States normal, reasoning and tool; a stop string leads to a state of its own (stop:i)
     from normal and reasoning, and ends the choice. Structural markers (mlx-lm's, for models
@@ -244,8 +251,7 @@ def _machine(tokenizer, stop: tuple[str, ...], tool_start: str | None,
     transitions = {"normal": normal, "tool": [], **{f"stop:{i}": [] for i in range(len(stop))}}
     if tool_start:
         normal.append((tool_start, "tool"))
-        end = tokenizer.tool_call_end
-        transitions["tool"] = [(end, "normal")] if end else []
+        transitions["tool"] = [(tool_end, "normal")] if tool_end else []
     if reasoning:
         transitions["reasoning"] = [(reasoning[1], "normal")] + stops
     normal += stops  # after tool_start: a stop string that is also the marker stops

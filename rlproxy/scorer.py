@@ -32,6 +32,7 @@ from typing import Callable
 import orjson
 
 from rlproxy import metrics, scoring
+from rlproxy.chat_template import render_prompt
 from rlproxy.judges import JudgeUnavailable
 from rlproxy.ledger import Ledger, Release
 from rlproxy.records import CONVERSATIONS, JsonlWriter, read_jsonl
@@ -230,8 +231,7 @@ class Scorer:
     def _teacher_prompt(self, record: dict, hint: str) -> list[int]:
         """On a worker thread: a long prompt's chat template takes a while."""
         messages = scoring.hinted_messages(record["messages"], hint)
-        return list(self.tokenizer.apply_chat_template(messages, tools=record["tools"],
-                                                       add_generation_prompt=True))
+        return render_prompt(self.tokenizer, messages, record["tools"])
 
     async def score(self, record: dict) -> None:
         uid, started = record["uid"], time.time()
