@@ -23,10 +23,12 @@ step's (each ends in mx.eval, then `trainer._between_units`), the candidate is m
              at the positions of the candidate's own probe samples x (every sampled token,
              the end token included), for o = the served adapter and o = the base model (the
              same LoRA layers with lora_b = 0, exactly the base).
-  degeneracy repeat rate: the share of the samples' token 3-grams that already occurred earlier
-             in the same sample (pooled); empty rate: the share of samples with no token before
-             the end token, or only whitespace. Degenerate: a rate over DEGENERATE_RATE (0.5)
-             and above the served adapter's own rate.
+  degeneracy the samples' figures of collapse (degeneracy.py: repeated 3-grams, empty replies,
+             the share of whitespace characters, the share of distinct tokens), each compared
+             with its limit and with the served adapter's figure on the same probes. On the
+             samples, not on greedy replies: they cost no extra decode, and a collapse of the
+             kind seen on the real model (entropy 1.10 -> 0.04) shows in them too; greedy
+             replies would show one a little earlier.
 
 Verdict (`refusal`): publish if reward >= served reward - eval_tolerance, both KLs < max_kl
 (when set) and not degenerate. Otherwise the trainer rolls back to the last good state (the
@@ -36,8 +38,9 @@ writes a `rollback` line with the figures and the reason; max_rollbacks in a row
 training, with the reason as the trainer's error (on /healthz). Every evaluation writes an
 `eval` line to training.jsonl.
 
-Not here: training, publishing, saving (trainer.py); the reward functions are the user's
-(scorer.load_reward_functions). Probes are decoded one at a time, not batched.
+Not here: training, publishing, saving (trainer.py); the degeneracy figures (degeneracy.py);
+the reward functions are the user's (scorer.load_reward_functions). Probes are decoded one at a
+time, not batched.
 """
 
 from __future__ import annotations
@@ -53,14 +56,14 @@ import mlx.core as mx
 from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from rlproxy import degeneracy
+from rlproxy.chat_template import render_prompt
 from rlproxy.chunked_grad import chunk_bounds
 from rlproxy.engine import make_sampler
 from rlproxy.model import lora_weights, resolve_model_path
 from rlproxy.rewards import call, load_reward_functions, takes_choice
 
 log = logging.getLogger("rlproxy.trainer")
-REPEAT_N = 3
-DEGENERATE_RATE = 0.5
 MAX_PROBE_TOKENS = 8192
 RECENT_PROMPTS = 16  # recorded prompts kept to draw probes from
 SEED = 7919  # probe i samples with seed SEED + i
@@ -68,27 +71,9 @@ SEED = 7919  # probe i samples with seed SEED + i
 
 # ---- pure figures ----
 
-def repeat_rate(samples: list[list[int]], n: int = REPEAT_N) -> float:
-    """Share of the samples' n-grams that already occurred earlier in the same sample."""
-    seen_total = repeats = 0
-    for ids in samples:
-        seen = set()
-        for i in range(len(ids) - n + 1):
-            gram = tuple(ids[i:i + n])
-            repeats += gram in seen
-            seen.add(gram)
-            seen_total += 1
-    return repeats / seen_total if seen_total else 0.0
-
-
-def empty_rate(texts: list[str]) -> float:
-    """Share of replies with nothing but whitespace (an end token first gives '')."""
-    return sum(not t.strip() for t in texts) / len(texts) if texts else 0.0
-
-
 def refusal(cand: dict, served: dict, t) -> str | None:
     """Why the candidate must not be published (None: publish it). CAND and SERVED hold
-    "reward" (None: not measured), "repeat_rate", "empty_rate"; CAND also "kl_base",
+    "reward" (None: not measured) and the degeneracy figures; CAND also "kl_base",
     "kl_served". T: the trainer settings."""
     reasons = []
     if cand["reward"] is not None and served["reward"] is not None \
@@ -98,10 +83,7 @@ def refusal(cand: dict, served: dict, t) -> str | None:
     for name in ("kl_base", "kl_served"):
         if t.max_kl is not None and cand[name] >= t.max_kl:
             reasons.append(f"KL to the {name[3:]} {cand[name]:.4f} >= max_kl {t.max_kl}")
-    for name in ("repeat_rate", "empty_rate"):
-        if cand[name] > DEGENERATE_RATE and cand[name] > served[name]:
-            reasons.append(f"degenerate: {name.replace('_', ' ')} {cand[name]:.2f} > "
-                           f"{DEGENERATE_RATE} (served: {served[name]:.2f})")
+    reasons += degeneracy.degenerate(cand, served)
     return "; ".join(reasons) or None
 
 
@@ -116,7 +98,7 @@ def load_eval_prompts(path: Path | None, tokenizer) -> list[dict]:
         try:
             item = json.loads(line)
             messages, tools = item["messages"], item.get("tools")
-            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+            ids = render_prompt(tokenizer, messages, tools)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"--eval-prompts {path}, line {n}: expected a JSON object with "
                              f"'messages' (and optional 'tools'): {type(e).__name__}: {e}") \
@@ -264,8 +246,7 @@ class EvalGate:
         rewards = [self.reward(p, ids, text) for p, ids, text in zip(probes, replies, texts)]
         rewards = [r for r in rewards if r is not None]
         return {"reward": sum(rewards) / len(rewards) if rewards else None,
-                "rewarded": len(rewards), "repeat_rate": round(repeat_rate(replies), 4),
-                "empty_rate": round(empty_rate(texts), 4),
+                "rewarded": len(rewards), **degeneracy.figures(texts, replies),
                 "example": texts[0][:200] if texts else None}
 
     def reward(self, probe: dict, ids: list[int], text: str) -> float | None:

@@ -332,7 +332,8 @@ class Scorer:
             return
         n = 1 + len(line.get("other_choices", []))
         lines = scoring.release_lines(line, n, release.reward, release.reason, self.baseline,
-                                      with_others=not feedback)
+                                      with_others=not feedback,
+                                      std_floor=self.s.group_std_floor)
         for out in lines:
             self.writer.write_nowait(out).add_done_callback(_log_failure)
         self.stats["released"] += len(lines)

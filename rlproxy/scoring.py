@@ -10,10 +10,16 @@ Reward of a turn (documented in the README):
 Per-token advantage (combine): A_t = w_opd * (teacher_lp_t - behaviour_lp_t) + w_rl * a, where
 the OPD term is exactly 0 for a turn without teacher log-probs and the RL term 0 without reward.
 a = r for a lone choice (the trainer may then subtract its running mean), and for a request with
-n > 1 whose scored choices number 2 or more, the group-relative advantage (GRPO)
-  a_i = (r_i - mean(group)) [/ (std(group) + 1e-4) with baseline "group-std"],
-over the choices with a reward; std is the sample std (n - 1), as TRL's GRPO; a group whose
-rewards are all equal gives every choice exactly 0.
+n > 1 whose scored choices number 2 or more, the group-relative advantage, over the choices with
+a reward (std: the sample std, n - 1, as TRL's GRPO):
+  baseline "group" (and any other)  a_i = r_i - mean(group)          (Dr. GRPO: no division)
+  baseline "group-std"              a_i = (r_i - mean(group)) / max(std(group), group_std_floor)
+A group whose rewards are all equal gives every choice exactly 0 (the trainer takes no step on a
+batch of such). The floor (default STD_FLOOR = 0.1, 5% of the [-1, 1] reward range) keeps a
+near-identical group from being blown up to full-size advantages: dividing by std + 1e-4, as
+TRL does, turned a spread of 0.008 into advantages of order 1, and a group of such replies
+degenerated; with the floor a spread below 0.1 gives advantages proportionally below 1 (at
+most spread / 0.1 in size).
 
 Choices of an n > 1 request that the conversation did not continue from have no next state of
 their own; each is scored against the chosen choice's next state (the user's reply or tool
@@ -163,13 +169,15 @@ def at_least_one(rewards: dict[str, tuple[int, float]]) -> str | None:
 
 # ---- group baselines (GRPO) and what is released to the trainer ----
 
-STD_EPS = 1e-4  # as TRL's GRPO: a near-constant group cannot blow advantages up
+STD_FLOOR = 0.1  # the default of --group-std-floor (settings.py): see the docstring
 
 
-def group_baseline(rewards: list[float | None], mode: str) -> tuple[float | None, float | None]:
+def group_baseline(rewards: list[float | None], mode: str,
+                   std_floor: float = STD_FLOOR) -> tuple[float | None, float | None]:
     """(baseline, scale) for the choices of one request: a_i = (r_i - baseline) / scale.
     (None, None) when fewer than 2 choices have a reward: not baselined here (the trainer's
-    own --baseline then applies). Any mode uses the group mean for a group of 2 or more."""
+    own --baseline then applies). Any mode uses the group mean for a group of 2 or more;
+    "group-std" divides by the group's std, never by less than STD_FLOOR."""
     group = [r for r in rewards if r is not None]
     if len(group) < 2:
         return None, None
@@ -178,7 +186,7 @@ def group_baseline(rewards: list[float | None], mode: str) -> tuple[float | None
     mean = statistics.fmean(group)
     if mode != "group-std":
         return mean, None
-    return mean, statistics.stdev(group) + STD_EPS
+    return mean, max(statistics.stdev(group), std_floor)  # tiny spreads stay tiny
 
 
 def relative(reward: float | None, baseline: float | None, scale: float | None) -> float | None:
@@ -189,8 +197,9 @@ def relative(reward: float | None, baseline: float | None, scale: float | None) 
     return a / scale if scale is not None else a
 
 
-def group_advantages(rewards: list[float | None], mode: str) -> list[float | None]:
-    baseline, scale = group_baseline(rewards, mode)
+def group_advantages(rewards: list[float | None], mode: str,
+                     std_floor: float = STD_FLOOR) -> list[float | None]:
+    baseline, scale = group_baseline(rewards, mode, std_floor)
     return [relative(r, baseline, scale) for r in rewards]
 
 
@@ -216,15 +225,16 @@ def choice_teacher_logprobs(line: dict, choice: int) -> list[float] | None:
 
 
 def release_lines(line: dict, n: int, reward: float | None, reason: str, mode: str,
-                  with_others: bool) -> list[dict]:
+                  with_others: bool, std_floor: float = STD_FLOOR) -> list[dict]:
     """The `release` lines of one turn: its chosen choice with REWARD (after at-least-one or
     feedback), and with WITH_OTHERS each other choice that has something to train (a reward or
-    teacher log-probs), reason "group". The baseline is the group's over the rewards released;
-    the chosen choice's line comes last."""
+    teacher log-probs), reason "group". The baseline is the group's over the rewards released
+    (`group_baseline`; the lines record it and the scale, so a restart rebuilds the same
+    advantages whatever the floor is then); the chosen choice's line comes last."""
     chosen = line["chosen_choice"]
     rewards = choice_rewards(line, n)
     rewards[chosen] = reward
-    baseline, scale = group_baseline(rewards, mode)
+    baseline, scale = group_baseline(rewards, mode, std_floor)
     out = []
     for i in range(n):
         if i == chosen or not with_others:

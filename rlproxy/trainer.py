@@ -16,12 +16,16 @@ trainer or crash-loop it.
 Advantage baselines: an item the scorer already `baselined` (a group of 2 or more choices) is
 trained as it comes; otherwise `--baseline mean` subtracts an exponential running mean of the
 rewards of such items (decay 0.9) from the RL part, and group, group-std and none subtract
-nothing.
+nothing. A batch in which every trained token's advantage is zero (`no_signal`: e.g. groups
+whose rewards were all equal, and no OPD term) takes no optimizer step and publishes no version:
+its gradient is exactly 0, yet AdamW would move the adapter on its momentum. It gets a `skipped`
+line with its `uids` (counted as handled, here and after a restart) and the reason.
 
 Its books are bounded and locked (submit comes from the scorer's thread): `queued` holds at most
-MAX_QUEUED keys, `trained` the TRAINED_KEEP newest once running. The operator's pause, resume
-and rollback are operator_actions.py's. Offline training (`rlproxy train --from DATA_DIR`) uses
-the same `train_step`.
+MAX_QUEUED keys, `trained` the TRAINED_KEEP newest once running. Checkpoints, resume and the
+gate's snapshots are train_state.py's; the operator's pause, resume and rollback are
+operator_actions.py's. Offline training (`rlproxy train --from DATA_DIR`) uses the same
+`train_step`.
 """
 
 from __future__ import annotations
@@ -39,21 +43,36 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from rlproxy import chunked_grad, losses, metrics, schedule
-from rlproxy.checkpoints import (
-    latest_checkpoint, layout_mismatch, load_checkpoint, save_checkpoint,
-)
 from rlproxy.mlx_threads import mlx_thread
 from rlproxy.model import lora_weights, quantize_base
 from rlproxy.operator_actions import OperatorActions, RollbackSuperseded  # noqa: F401
 from rlproxy.records import JsonlWriter, read_jsonl
-from rlproxy.settings import Settings
+from rlproxy.settings import Settings, TrainerSettings
 from rlproxy.train_items import KeySet, item_choice, item_key, released_turns  # noqa: F401
 from rlproxy.train_journal import StepJournal, run_batch
+from rlproxy.train_state import TRAINING, TrainState
 
 log = logging.getLogger("rlproxy.trainer")
-TRAINING = "training.jsonl"
 TRAINED_KEEP = 100_000  # keys remembered as trained once running (start-up reads them all)
 MAX_QUEUED = 10_000  # items waiting; past it an item waits for a restart (released_turns)
+ZERO_ADVANTAGE = 1e-6  # |A_t| at most this is rounding, not signal (float32 log-probs)
+
+
+def no_signal(examples: list[dict], t: TrainerSettings) -> str | None:
+    """Why a batch of EXAMPLES (chunked_grad.turn_example) cannot teach the policy anything
+    under trainer settings T, or None. Every trained token's advantage |A_t| <= ZERO_ADVANTAGE
+    makes the policy gradient exactly 0 (checked per token: an OPD term keeps a group of equal
+    rewards in training), and AdamW would still move the adapter on its momentum. DRO's
+    penalty only holds the policy near the behaviour one: no reason to step either. A KL
+    penalty or entropy bonus (kl_coef, entropy_coef > 0) is a term of its own, and
+    cross_entropy ignores advantages: those batches always step."""
+    if t.loss_fn == "cross_entropy" or t.kl_coef > 0 or t.entropy_coef > 0:
+        return None
+    trained = [a for e in examples for a, m in zip(e["adv"], e["mask"]) if m > 0]
+    if any(abs(a) > ZERO_ADVANTAGE for a in trained):
+        return None
+    return (f"every advantage of its {sum(len(e['uids']) for e in examples)} turns is 0 (equal "
+            "rewards, no teacher signal): no optimizer step, no new adapter version")
 
 
 def training_copy(loaded) -> nn.Module:
@@ -73,7 +92,7 @@ def training_copy(loaded) -> nn.Module:
     return model
 
 
-class Trainer(OperatorActions):
+class Trainer(OperatorActions, TrainState):
     def __init__(self, settings: Settings, model: nn.Module, lora_config: dict, engine=None,
                  data_dir: Path | None = None, ref_model: nn.Module | None = None,
                  vocab_size: int | None = None, tokenizer=None):
@@ -103,8 +122,9 @@ class Trainer(OperatorActions):
         self.stats = {"steps": 0, "turns_trained": 0, "skipped": 0, "last_loss": None,
                       "save_errors": 0, "errors_after_update": 0, "optimizer_steps": 0,
                       "learning_rate": None, "evals": 0, "gate_rollbacks": 0,
-                      "unevaluated_steps": 0, "dropped": 0}  # in this process; `steps`
-        # counts rollbacks too; unevaluated_steps: taken since the gate's last verdict
+                      "unevaluated_steps": 0, "dropped": 0, "skipped_steps": 0}  # in this
+        # process; `steps` counts rollbacks too; unevaluated_steps: taken since the gate's last
+        # verdict; skipped_steps: batches with no signal (no_signal), their turns in `skipped`
         self.writer = JsonlWriter(self.data_dir / TRAINING, fsync=settings.records.fsync)
         self.trained = KeySet(u for line in read_jsonl(self.data_dir / TRAINING)
                               for u in line.get("uids", []))
@@ -126,51 +146,6 @@ class Trainer(OperatorActions):
 
     # ---- lifecycle ----
 
-    def resume(self) -> Path | None:
-        path = latest_checkpoint(self.checkpoints) if self.t.resume else None
-        if path is None:
-            if self.t.resume:
-                self._forget_lost_steps(0)
-            return None
-        adapter, opt_state, state = load_checkpoint(path)
-        if layout_mismatch(lora_weights(self.model), adapter):
-            raise ValueError(
-                f"the newest checkpoint, {path}, holds an adapter for another model or LoRA "
-                "layout than this one (--model, --lora-rank, --lora-layers, --lora-keys); "
-                "use another --data-dir, or move its checkpoints/ folder away")
-        self._forget_lost_steps(state["step"])
-        self.load_state(adapter, opt_state, state.get("baseline", [0.0, 0]))
-        self.step, self.version = state["step"], state["adapter_version"]
-        self.lr_scale = state.get("lr_scale", 1.0)
-        if state.get("schedule", schedule.describe(self.t)) != schedule.describe(self.t):
-            log.warning("the learning-rate schedule differs from checkpoint %s's (%s); the "
-                        "settings' is used from its update count on", path.name,
-                        state["schedule"])
-        self._saved_step = self.step
-        # a gate rollback's checkpoint holds the served adapter under a newer step's version
-        served = state.get("served_version", self.version)
-        if self.engine is not None:
-            self.engine.publish_adapter(lora_weights(self.model), served)
-        if self.gate is not None:
-            self.gate.published(served, lora_weights(self.model))
-        log.info("resumed from %s (step %d, adapter version %d)", path, self.step, served)
-        return path
-
-    def _forget_lost_steps(self, step: int) -> None:
-        """The steps after checkpoint STEP died with the process (a kill loses the updates
-        since the last save): their turns are trained again. Their lines stay in
-        training.jsonl; the journal's `resumed` line names them."""
-        steps = [ln for ln in read_jsonl(self.data_dir / TRAINING)
-                 if ln.get("kind") in ("step", "rollback")]  # a rollback takes a step too
-        at = [i for i, ln in enumerate(steps) if ln["step"] == step]  # its last run's line
-        cut = at[-1] + 1 if at else (0 if step == 0 else len(steps))
-        lost = {u for ln in steps[cut:] for u in ln.get("uids", [])}
-        if lost:
-            self.trained -= lost
-            self.journal.resumed(step, len(steps) - cut, sorted(lost))
-            log.warning("resuming from step %d: the %d turns trained after it are trained "
-                        "again", step, len(lost))
-
     def start(self) -> None:
         with self._lock:  # start-up resubmitted what needed the whole history; now bounded
             self.trained.trim(TRAINED_KEEP)
@@ -190,12 +165,6 @@ class Trainer(OperatorActions):
                 log.exception("could not save the final checkpoint")
         self.writer.close()
         self.journal.close()
-
-    def _save_unsaved(self) -> None:
-        # with the gate, steps after the last published adapter were never evaluated: they
-        # are not saved, and their turns train again after a restart
-        if self.step and self.step != self._saved_step and self.gate is None:
-            self.save()
 
     @property
     def alive(self) -> bool:
@@ -344,12 +313,31 @@ class Trainer(OperatorActions):
             return out
         examples = chunked_grad.pack(examples)  # a session's turns in one pass, when exact
         uids = [u for e in examples for u in e["uids"]]
+        reason = no_signal(examples, self.t)
+        if reason is not None:
+            self._skip_batch(examples, uids, reason)
+            return out
         for epoch in range(self.t.train_epochs):
             out.append(self.train_step(examples, epoch))
             if epoch == 0:  # trained now, whatever a later epoch does
                 self.mark_trained(uids)
                 self.stats["turns_trained"] += len(uids)
         return out
+
+    def _skip_batch(self, examples: list[dict], uids: list[str], reason: str) -> None:
+        """One `skipped` line for a batch that takes no step; its turns count as handled (the
+        line's uids are read back as trained at start-up), so they are not retried."""
+        self.mark_trained(uids)
+        self.stats["skipped"] += len(uids)
+        self.stats["skipped_steps"] += 1
+        rewards = [r for e in examples for r in e["rewards"] if r is not None]
+        self.writer.write({
+            "kind": "skipped", "uids": uids, "reason": reason, "step": self.step,
+            "adapter_version": self.version, "turns": len(uids),
+            "tokens": sum(e["tokens"] for e in examples),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "time": round(time.time(), 3)})
+        log.info("skipped a batch of %d turns: %s", len(uids), reason)
 
     def learning_rate(self) -> float:
         """The rate of the next update: the schedule at the optimizer's update count."""
@@ -426,38 +414,3 @@ class Trainer(OperatorActions):
             self.engine.publish_adapter(weights, self.version)
         if self.gate is not None:
             self.gate.published(self.version, weights)
-
-    def try_save(self, protect: Path | None = None) -> Path | None:
-        try:
-            return self.save(protect)
-        except Exception as e:  # e.g. a full disk: the step stands; the next save retries
-            log.exception("could not save the checkpoint of step %d", self.step)
-            self.stats["save_errors"] += 1
-            self.error = f"checkpoint save failed at step {self.step}: {type(e).__name__}: {e}"
-            return None
-
-    def save(self, protect: Path | None = None) -> Path:
-        extra = {"baseline": [self.baseline, self.baseline_n], "lr_scale": self.lr_scale,
-                 "schedule": schedule.describe(self.t), "entropy_coef": self.t.entropy_coef}
-        if self.gate is not None:  # after a rollback: the served adapter, a newer step
-            extra["served_version"] = self.gate.served_version
-        path = save_checkpoint(self.checkpoints, self.step, self.version,
-                               lora_weights(self.model), self.optimizer.state, self.lora_config,
-                               self.settings.model_dump(mode="json"), self.t.keep_checkpoints,
-                               extra=extra, protect=protect)
-        self._saved_step = self.step  # only now: a failed save is tried again at the next one
-        if self.error and self.error.startswith("checkpoint save failed"):
-            self.error = None
-        return path
-
-    def snapshot(self) -> dict:
-        """The state a gate rollback restores (arrays are immutable: references suffice)."""
-        return {"adapter": lora_weights(self.model),
-                "optimizer": tree_map(lambda x: x, self.optimizer.state),
-                "baseline": [self.baseline, self.baseline_n], "step": self.step}
-
-    def load_state(self, adapter: dict, opt_state, baseline) -> None:
-        self.model.update(tree_unflatten(list(adapter.items())))
-        self.optimizer.state = tree_map(lambda x: x, opt_state)  # its own containers
-        mx.eval(self.model.parameters(), self.optimizer.state)
-        self.baseline, self.baseline_n = baseline

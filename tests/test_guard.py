@@ -15,7 +15,7 @@ import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from rlproxy import eval_gate
+from rlproxy import degeneracy, eval_gate
 from rlproxy.engine import Engine
 from rlproxy.checkpoints import latest_checkpoint
 from rlproxy.model import load_serving_model, lora_weights
@@ -124,29 +124,32 @@ def own():
 
 def test_repeat_and_empty_rates():
     # 3-grams of 1 2 3 1 2 3: 123 231 312 123, one seen before; 5 5 5 5 5: 555 x3, two repeats
-    assert eval_gate.repeat_rate([[1, 2, 3, 1, 2, 3]]) == 0.25
-    assert eval_gate.repeat_rate([[5] * 5]) == pytest.approx(2 / 3)
-    assert eval_gate.repeat_rate([[1, 2, 3, 1, 2, 3], [5] * 5, [7, 8]]) == pytest.approx(3 / 7)
-    assert eval_gate.repeat_rate([[1, 2], []]) == 0.0
-    assert eval_gate.empty_rate(["", " \n", "a", "b "]) == 0.5 and eval_gate.empty_rate([]) == 0
+    assert degeneracy.repeat_rate([[1, 2, 3, 1, 2, 3]]) == 0.25
+    assert degeneracy.repeat_rate([[5] * 5]) == pytest.approx(2 / 3)
+    assert degeneracy.repeat_rate([[1, 2, 3, 1, 2, 3], [5] * 5, [7, 8]]) == pytest.approx(3 / 7)
+    assert degeneracy.repeat_rate([[1, 2], []]) == 0.0
+    assert degeneracy.empty_rate(["", " \n", "a", "b "]) == 0.5 and degeneracy.empty_rate([]) == 0
 
 
 def test_the_verdict_names_every_reason():
     t = TrainerSettings(eval_tolerance=0.1, max_kl=0.2)
-    served = {"reward": 0.5, "repeat_rate": 0.1, "empty_rate": 0.0}
-    good = {"reward": 0.41, "repeat_rate": 0.2, "empty_rate": 0.0, "kl_base": 0.19,
-            "kl_served": 0.05}
+    served = {"reward": 0.5, "repeat_rate": 0.1, "empty_rate": 0.0, "blank_share": 0.2,
+              "distinct_share": 0.9}
+    good = {"reward": 0.41, "repeat_rate": 0.2, "empty_rate": 0.0, "blank_share": 0.3,
+            "distinct_share": 0.7, "kl_base": 0.19, "kl_served": 0.05}
     assert eval_gate.refusal(good, served, t) is None
-    bad = {"reward": 0.39, "repeat_rate": 0.6, "empty_rate": 0.75, "kl_base": 0.2,
-           "kl_served": 0.3}
+    bad = {"reward": 0.39, "repeat_rate": 0.6, "empty_rate": 0.75, "blank_share": 0.9,
+           "distinct_share": 0.1, "kl_base": 0.2, "kl_served": 0.3}
     reason = eval_gate.refusal(bad, served, t)
     for part in ("probe reward 0.390 is below the served adapter's 0.500",
                  "KL to the base 0.2000 >= max_kl 0.2", "KL to the served 0.3000",
-                 "degenerate: repeat rate 0.60 > 0.5 (served: 0.10)", "empty rate 0.75"):
+                 "degenerate: repeat rate 0.60 > 0.5 (served: 0.10)", "empty rate 0.75",
+                 "blank share 0.90 > 0.5", "distinct share 0.10 < 0.3 (served: 0.90)"):
         assert part in reason, (part, reason)
-    # no reward measured, no KL bound, a served adapter as repetitive: nothing to refuse
-    same = {**bad, "reward": None, "repeat_rate": 0.6, "empty_rate": 0.0}
-    assert eval_gate.refusal(same, {**served, "repeat_rate": 0.7}, TrainerSettings()) is None
+    # no reward measured, no KL bound, a served adapter as degenerate: nothing to refuse
+    same = {**bad, "reward": None, "empty_rate": 0.0}
+    assert eval_gate.refusal(same, {**served, "repeat_rate": 0.7, "blank_share": 0.95,
+                                    "distinct_share": 0.05}, TrainerSettings()) is None
 
 
 def test_eval_prompts_are_read_and_a_bad_line_is_named(own, tmp_path):

@@ -59,6 +59,7 @@ def serve(data: Path, tmp: Path, log: Path) -> tuple[subprocess.Popen, str]:
             [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port", str(port), "--data-dir",
              str(data), "--log-level", "WARNING", "--batch-size", "1", "--no-judge",
              "--no-at-least-one", "--reward-function", "poison_reward:reward",
+             "--baseline", "none",  # a constant reward must still train every turn
              "--save-interval", "1000", "--no-prefix-cache", "--prompt-grad", "full"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -292,7 +293,9 @@ def test_a_turn_with_ids_outside_the_vocabulary_is_quarantined_without_a_try(own
 def test_turns_trained_after_the_last_checkpoint_are_trained_again_after_a_kill(own, tmp_path):
     """A kill loses the updates since the last checkpoint; resume trains those turns again
     instead of counting them as trained."""
-    settings = make_settings(tmp_path, train=True, batch_size=1, save_interval=2)
+    # baseline none: the same reward every turn must still train (a mean baseline makes it 0)
+    settings = make_settings(tmp_path, train=True, batch_size=1, save_interval=2,
+                             baseline="none")
     killed = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
     for uid in "abc":
         killed.train_journaled([make_scored(own, uid, [5, 6, 7])])
@@ -380,6 +383,7 @@ def test_a_later_epoch_failing_does_not_retrain_the_applied_update(own, tmp_path
 def test_a_retried_turn_advances_the_reward_baseline_once(own, tmp_path):
     t = offline_trainer(own, tmp_path, batch_size=2, save_interval=1000)
     bad = make_scored(own, "bad", [5, "six", 7])  # a malformed record: its step raises
+    bad["reward"] = 0.0  # so that a's retry, alone, has a non-zero advantage (1 - mean 0.9)
     t.train_journaled([make_scored(own, "a", [8, 9]), bad])
     assert t.journal.quarantined.keys() == {"bad"} and steps_of(tmp_path) == [(1, ["a"])]
     assert t.baseline_n == 2  # a and bad once each, though a was tried twice, bad three times
