@@ -14,9 +14,11 @@ from conftest import make_settings
 
 
 def training_settings(tmp_path, **flags):
-    """Train a step per session (2 turns), checkpoint every step, keep them all."""
+    """Train a step per session (2 turns), checkpoint every step, keep them all. Baseline none:
+    the tiny model's replies often score alike, and a batch of zero advantages takes no step,
+    while these tests count steps."""
     return make_settings(tmp_path, train=True, judge=False, at_least_one=False,
-                         reward_functions=[demo.REWARD_FUNCTION], batch_size=2,
+                         reward_functions=[demo.REWARD_FUNCTION], batch_size=2, baseline="none",
                          learning_rate=1e-3, save_interval=1, keep_checkpoints=50, fsync=False,
                          resume=False, **flags)
 

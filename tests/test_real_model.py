@@ -77,11 +77,11 @@ def test_logprobs_are_exactly_mlx_lms_forward_pass(real_server, real):
             [logp[k, t].item() for t in top], abs=1e-4)
 
 
-def shorter_is_better(turn, next_state):
-    """Reward for the QLoRA test: shorter replies score higher (distinct for distinct replies,
-    so advantages are never all zero)."""
-    choice = turn["choices"][turn["chosen_choice"]]
-    return 1.0 - min(len(choice["completion_ids"]), 24) / 12.0
+def tells_replies_apart(turn, next_state):
+    """Reward for the training tests: any number in [-1, 1] that differs between different
+    replies (a batch of equal rewards trains nothing, by design)."""
+    ids = turn["choices"][turn["chosen_choice"]]["completion_ids"]
+    return (sum(ids) % 97) / 48.0 - 1.0
 
 
 def probe(server) -> list[float]:
@@ -108,7 +108,7 @@ def test_a_qlora_step_moves_the_served_logprobs_and_a_rollback_restores_them(tmp
     assert isinstance(own.model.layers[0].self_attn.q_proj.linear, nn.QuantizedLinear)
     settings = make_settings(
         tmp_path, model=NAME, dequantize="no", train=True, judge=False, at_least_one=False,
-        reward_functions=["test_real_model:shorter_is_better"], batch_size=2,
+        reward_functions=["test_real_model:tells_replies_apart"], batch_size=2,
         learning_rate=1e-3, save_interval=1, keep_checkpoints=10, resume=False, fsync=False,
         prefix_cache=False)
     with ServerThread(settings, own) as s:
@@ -213,7 +213,7 @@ def test_a_trained_adapter_fuses_into_the_real_model(real, tmp_path):
     the fused directory gives base + adapter's logits."""
     settings = make_settings(
         tmp_path / "data", model=NAME, train=True, judge=False, at_least_one=False,
-        reward_functions=["test_real_model:shorter_is_better"], batch_size=2,
+        reward_functions=["test_real_model:tells_replies_apart"], batch_size=2,
         learning_rate=1e-3, save_interval=1, resume=False, fsync=False)
     own = load_serving_model(ModelSettings(model=NAME))
     with ServerThread(settings, own) as s:
