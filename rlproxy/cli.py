@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_flags(tr)  # model, LoRA and trainer flags; --data-dir is where results go
     tr.set_defaults(func=train_cmd)
     d = sub.add_parser("demo", help="watch the proxy learn: a scripted agent, a verifiable "
-                       "reward, PPO steps, a plot (embedded model, no network)")
-    d.add_argument("--steps", type=int, default=30, help="PPO steps to run (default: 30)")
+                       "reward, PPO steps, a plot (SmolLM2 by default; --model tiny: no network)")
+    d.add_argument("--steps", type=int, default=None,
+                   help="PPO steps to run (default: 12 on a real model, 30 on tiny or small)")
     d.add_argument("--out", default="rlproxy-demo",
                    help="folder for the plot and records (default: rlproxy-demo)")
     add_setting_flag(d, "model", default=ModelSettings().model)

@@ -1,14 +1,17 @@
-"""`rlproxy demo`: watch the proxy learn, on the embedded model, with no network beyond 127.0.0.1.
+"""`rlproxy demo`: watch the proxy learn, on any model (SmolLM2 by default, `--model tiny` for the
+generated one), with no network beyond 127.0.0.1.
 
 Starts the real app in-process (the same `create_app` as `rlproxy serve`, on a free port), and a
 scripted weather agent that talks to it over real HTTP (aiohttp's client: the openai SDK is only a
 test dependency) the way an agent does: sessions (`X-Session-Id`, `X-Session-Done` on the last
 request), a tool schema, an assistant tool call and its tool result in the history. The reward is
-verifiable and needs no judge: the share of the reply's tokens that are numbers ("answer with the
-figures"), mapped to [-1, 1]; the scorer calls `digit_reward` on every turn and the trainer runs
-PPO steps on them. Every few steps the demo samples FRESH replies with `X-RL-Opt-Out: 1` (never
-recorded, never trained) and measures the same reward on them; it prints one line per measurement,
-writes the curve as JSON and as a small SVG chart, and shuts the app down cleanly.
+verifiable and needs no judge: the share of the reply's tokens (the served model's tokens) that
+are numbers ("answer with the figures"), mapped to [-1, 1]; the scorer calls `digit_reward` on
+every turn and the trainer runs PPO steps on them. Every few steps the demo samples FRESH replies
+with `X-RL-Opt-Out: 1` (never recorded, never trained) and measures the same reward on them; it
+prints one line per measurement, writes the curve as JSON and as a small SVG chart, and shuts the
+app down cleanly. The learning rate and the default number of steps differ between the generated
+models and a real one (`recipe`), each measured.
 
 With `guard` (`rlproxy demo --guard`) the eval gate is on and the learning rate is set too high
 (demo_guard.py): the gate refuses candidates, rolls back and halves the rate, and the printed
@@ -20,7 +23,9 @@ training are the real modules, unchanged.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import math
@@ -28,6 +33,7 @@ import random
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
@@ -47,6 +53,31 @@ BATCH_SIZE = 2 * AGENTS
 # 8 runs; 2e-3 and 3e-3 were less reliable (-0.90..+0.96 in 6 runs; one 3e-3 run reached +0.91,
 # then fell back to -0.13). The reward takes off suddenly, somewhere between steps 8 and 28.
 LEARNING_RATE = 1e-3
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What differs between the generated random models and a real one, measured on each."""
+    learning_rate: float  # --guard's, too high on purpose, is one for both (demo_guard.py)
+    steps: int  # when --steps is not given
+
+
+GENERATED = Recipe(LEARNING_RATE, steps=30)
+# Measured here (SmolLM2-135M-Instruct, float32, 2 cores shared with other work; same LoRA,
+# batches and 16-token replies; the base model scores -0.87 on the fresh samples, most replies
+# holding no digit, so the reward has room): 5e-5 reached -0.55 after 12 steps (replies like
+# 'Dakar is approximately 27°C (79°F)'); 1e-4 reached +0.84 and -0.09 after 6 steps, +1.00 after
+# 10 and 12 (2 runs; replies of digits only). 2e-4 collapsed the replies to whitespace in a
+# by-hand run. A step with its share of sampling took 30-100 s here, 12 steps 12 minutes: 30
+# would take half an hour, so 12 by default.
+REAL = Recipe(learning_rate=1e-4, steps=12)
+
+
+def recipe(model: str) -> Recipe:
+    from rlproxy.embedded_model import SIZES
+
+    return GENERATED if model in SIZES else REAL
+
 
 TOOLS = [{
     "type": "function",
@@ -77,30 +108,59 @@ def share_reward(hits: list[bool]) -> float:
 
 
 @functools.cache
-def number_token_ids() -> frozenset[int]:
-    """Ids of the embedded tokenizer's number tokens (every embedded size shares it)."""
+def number_token_ids(model_dir: Path) -> frozenset[int]:
+    """Ids of the number tokens of MODEL_DIR's tokenizer."""
     from transformers import AutoTokenizer
 
     from rlproxy.completions import token_bytes
-    from rlproxy.embedded_model import embedded_model_path
 
-    tok = AutoTokenizer.from_pretrained(str(embedded_model_path("tiny")))
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
     return frozenset(i for i in tok.get_vocab().values() if is_number_token(token_bytes(tok, i)))
 
 
 @functools.cache
-def end_token_ids() -> frozenset[int]:
+def end_token_ids(model_dir: Path) -> frozenset[int]:
+    """The ids that end a reply, as mlx-lm reads them: generation_config.json's eos_token_id
+    (SmolLM2 lists two), else the tokenizer's end token."""
+    config = Path(model_dir) / "generation_config.json"
+    if not config.exists():
+        from transformers import AutoTokenizer
+
+        return frozenset([AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id])
+    eos = json.loads(config.read_text())["eos_token_id"]
+    return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+# Whose token ids digit_reward reads. A reward function is handed the turn alone (token ids, no
+# model), so the demo names the model it serves while it runs (`scoring_tokens`); outside it,
+# the generated tiny model's (the tiny and small models share one tokenizer).
+_scored_model_dir: Path | None = None
+
+
+@contextlib.contextmanager
+def scoring_tokens(model_dir: Path):
+    """digit_reward reads MODEL_DIR's token ids inside this block."""
+    global _scored_model_dir
+    before, _scored_model_dir = _scored_model_dir, Path(model_dir)
+    number_token_ids(_scored_model_dir), end_token_ids(_scored_model_dir)  # loaded once, now
+    try:
+        yield
+    finally:
+        _scored_model_dir = before
+
+
+def scored_model_dir() -> Path:
     from rlproxy.embedded_model import embedded_model_path
 
-    config = json.loads((embedded_model_path("tiny") / "generation_config.json").read_text())
-    return frozenset(config["eos_token_id"])
+    return _scored_model_dir or embedded_model_path("tiny")
 
 
 def digit_reward(turn: dict, next_state: list[dict] | None) -> float:
     """Reward function for the scorer (`--reward-function rlproxy.demo:digit_reward`): the share
     of the reply's tokens that are numbers, in [-1, 1]. The end token is not part of the reply."""
     choice = turn["choices"][turn.get("chosen_choice", 0)]
-    targets, ends = number_token_ids(), end_token_ids()
+    model_dir = scored_model_dir()
+    targets, ends = number_token_ids(model_dir), end_token_ids(model_dir)
     return share_reward([t in targets for t in choice["completion_ids"] if t not in ends])
 
 
@@ -156,13 +216,16 @@ async def measure(http: ClientSession, seed: int) -> list[tuple[float, str]]:
         reward = share_reward([is_number_token(bytes(t["bytes"])) for t in tokens])
         return reward, choice["message"]["content"] or ""
 
-    return list(await asyncio.gather(*(one(i) for i in range(EVAL_SAMPLES))))
+    # One first, alone: the others then find its system prompt and tools in the prefix cache
+    # instead of all prefilling them at once (on SmolLM2, most of the first measurement's time).
+    first = await one(0)
+    return [first] + list(await asyncio.gather(*(one(i) for i in range(1, EVAL_SAMPLES))))
 
 
 # ---- the run ----
 
 def learning_rate(args) -> float:
-    return demo_guard.GUARD_LEARNING_RATE if args.guard else LEARNING_RATE
+    return demo_guard.GUARD_LEARNING_RATE if args.guard else recipe(args.model).learning_rate
 
 
 def demo_settings(args, data_dir: Path):
@@ -211,8 +274,6 @@ async def demo(args, out: Path) -> dict:
     from rlproxy.server import create_app
 
     settings = demo_settings(args, out / "data")
-    number_token_ids(), end_token_ids()  # loaded now, not on the event loop's first score
-
     runner = web.AppRunner(create_app(settings))
     await runner.setup()
     try:
@@ -354,6 +415,10 @@ def svg_chart(series: list[tuple[str, str, list[tuple[float, float]]]], title: s
 
 
 def run_demo(args) -> int:
+    from rlproxy.model import resolve_source
+
+    if args.steps is None:  # not given: the model's own default
+        args = argparse.Namespace(**{**vars(args), "steps": recipe(args.model).steps})
     if args.steps < 1:
         print(f"rlproxy demo: --steps must be at least 1, not {args.steps}", file=sys.stderr)
         return 2
@@ -361,11 +426,13 @@ def run_demo(args) -> int:
     data = out / "data"
     shutil.rmtree(data, ignore_errors=True)  # the demo's own records: every run starts fresh
     out.mkdir(parents=True, exist_ok=True)
-    print(f"rlproxy demo: model {args.model}, {args.steps} PPO steps of "
-          f"{BATCH_SIZE} turns, learning rate {learning_rate(args):g}"
-          f"{' (too high on purpose), eval gate on' if args.guard else ''}; reward = share of "
-          "reply tokens that are numbers, mapped to [-1, 1]", flush=True)
-    result = asyncio.run(demo(args, out))
+    source = resolve_source(args.model)  # fetched and converted on first use, then cached
+    print(f"rlproxy demo: serving {source.model_id} ({source.origin})", flush=True)
+    print(f"rlproxy demo: {args.steps} PPO steps of {BATCH_SIZE} turns, learning rate "
+          f"{learning_rate(args):g}{' (too high on purpose), eval gate on' if args.guard else ''}"
+          f"; reward = share of reply tokens that are numbers, mapped to [-1, 1]", flush=True)
+    with scoring_tokens(Path(source.path)):  # the served model's tokenizer, not tiny's
+        result = asyncio.run(demo(args, out))
     curve = result["curve"]
     trained = training_rewards(data, by_step=args.guard)
     result["training"] = [{"step" if args.guard else "sampled_by_version": v, "reward_mean": r}

@@ -15,11 +15,13 @@ from pathlib import Path
 
 from rlproxy.records import read_jsonl
 
-# Too high on purpose: the demo's tuned rate is 1e-3 (demo.py). Measured here (tiny model,
-# batches of 8, every step evaluated): one step at 2e-2, 1e-2 and 5e-3 moved the policy by
-# 1.08, 1.01 and 0.87 nats per token (KL to the served adapter on the probes), one at 1e-3 by
-# 0.06-0.23. So with MAX_KL the gate refuses the first three candidates, halving the rate each
-# time, and pauses training after the third: the served adapter never changes.
+# Too high on purpose, on both kinds of model: the demo's tuned rates are 1e-3 (tiny) and 1e-4
+# (SmolLM2) (demo.py). Measured here (batches of 8, every step evaluated): one step at 2e-2,
+# 1e-2 and 5e-3 moved the policy by 1.08, 1.01 and 0.87 nats per token on the tiny model (KL to
+# the served adapter on the probes; one at 1e-3 by 0.06-0.23), and by 9.95, 5.04 and 1.95 on
+# SmolLM2-135M-Instruct (whose probe reward also fell, -0.71 to -1.00..-0.90). So with MAX_KL the
+# gate refuses the first three candidates, halving the rate each time, and pauses training after
+# the third: the served adapter never changes.
 GUARD_LEARNING_RATE = 2e-2
 EVAL_EVERY = 1  # every step: the agent's next round is sampled by the adapter just judged
 PROBES = 8

@@ -216,6 +216,8 @@ class Trainer(OperatorActions, TrainState):
                 while self._running:
                     batch = self._collect()
                     self._control()  # a rollback asked for; a pause holds the batch here
+                    if self.paused and not self._running:
+                        break  # stopped while paused: the held batch trains after a restart
                     if batch:  # its units keep the duty cycle (_between_units)
                         self.train_journaled(batch)
                         self._done(batch)

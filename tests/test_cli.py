@@ -299,7 +299,7 @@ def test_flags_beat_environment_beat_file_beat_defaults(tmp_path):
 def test_demo_guard_flag_parses():
     assert build_parser().parse_args(["demo", "--guard"]).guard is True
     args = build_parser().parse_args(["demo"])
-    assert (args.guard, args.model, args.steps) == (False, "smollm2-135m-instruct", 30)
+    assert (args.guard, args.model, args.steps) == (False, "smollm2-135m-instruct", None)
 
 
 def test_serve_process_merges_file_environment_and_flags(tmp_path):

@@ -1,5 +1,6 @@
 """`rlproxy demo`: its reward on hand-made token ids, and a short real run end to end (real app,
-real HTTP, real scorer and PPO trainer on the tiny model) checked through the files it leaves."""
+real HTTP, real scorer and PPO trainer on the tiny model) checked through the files it leaves;
+one short run on SmolLM2, the default model, whose tokenizer the reward must then read."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_number_tokens():
 
 
 def test_number_token_ids_match_decoded_text(tok):
-    ids = demo.number_token_ids()
+    ids = demo.number_token_ids(embedded_model_path("tiny"))
     singles = {tok.convert_tokens_to_ids(str(d)) for d in range(10)}
     assert singles <= ids
     decoded = {i: tok.decode([i]) for i in tok.get_vocab().values()}
@@ -50,7 +51,8 @@ def test_digit_reward_on_hand_made_ids(tok):
     seven, forty_two = tok.convert_tokens_to_ids("7"), tok.convert_tokens_to_ids("Ġ42")
     word = tok.convert_tokens_to_ids("Ġthe")
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert word not in demo.number_token_ids() and {seven, forty_two} <= demo.number_token_ids()
+    ids = demo.number_token_ids(embedded_model_path("tiny"))  # outside a demo: tiny's
+    assert word not in ids and {seven, forty_two} <= ids
     assert demo.digit_reward(turn_with([seven, forty_two, word, word, end]), None) == 0.0
     assert demo.digit_reward(turn_with([seven, word, word, word]), None) == -0.5
     assert demo.digit_reward(turn_with([seven, forty_two, end]), None) == 1.0  # end not counted
@@ -81,6 +83,8 @@ def test_demo_runs_trains_and_writes_the_curve(tmp_path, capsys):
                               log_level="WARNING", guard=False)
     assert demo.run_demo(args) == 0
     printed = capsys.readouterr().out
+    assert "rlproxy demo: serving rlproxy-embedded-tiny (generated tiny model" in printed
+    assert f"learning rate {demo.LEARNING_RATE:g};" in printed
     assert re.search(rf"reward -?\d\.\d\d -> -?\d\.\d\d over {STEPS} PPO steps "
                      rf"\(adapter v{STEPS}\)", printed), printed
     checkpoint = tmp_path / "data" / "checkpoints" / f"step_{STEPS:06d}"
@@ -165,3 +169,47 @@ def test_the_guarded_demo_rolls_back_a_learning_rate_set_too_high_and_marks_it(t
     lines = read_records(tmp_path / "data", "training.jsonl")
     assert [ln["kind"] for ln in lines if ln["kind"] != "step"] == [
         "eval", "rollback", "eval", "rollback", "eval", "rollback", "pause"]
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_the_demo_on_smollm2_scores_with_its_tokenizer(tmp_path, capsys, monkeypatch):
+    """One PPO step on SmolLM2 (4 fresh samples per measurement, not 16, to stay short): the
+    demo says what it serves, trains at the real model's rate, and every turn is scored with
+    SmolLM2's token ids (its digits are single tokens), not the tiny model's."""
+    from rlproxy.model import resolve_source
+
+    smol = AutoTokenizer.from_pretrained(resolve_source("smollm2-135m-instruct").path)
+    monkeypatch.setattr(demo, "EVAL_SAMPLES", 4)
+    args = argparse.Namespace(steps=1, out=str(tmp_path), model="smollm2-135m-instruct",
+                              log_level="WARNING", guard=False)
+    assert demo.run_demo(args) == 0
+    printed = capsys.readouterr().out
+    assert "rlproxy demo: serving smollm2-135m-instruct (SmolLM2-135M-Instruct" in printed
+    assert f"learning rate {demo.REAL.learning_rate:g};" in printed
+    assert re.search(r"reward -?\d\.\d\d -> -?\d\.\d\d over 1 PPO steps", printed), printed
+
+    # a second, independent path: SmolLM2's own decode of each recorded reply
+    def by_decode(ids: list[int]) -> float:
+        ends = {smol.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+        ids = [i for i in ids if i not in ends]
+        return demo.share_reward([smol.decode([i]).strip().isdigit()
+                                  and smol.decode([i]).isascii() for i in ids])
+
+    scores = {s["uid"]: s["reward"] for s in read_records(tmp_path / "data", "prm_scores.jsonl")
+              if s.get("kind") == "score"}
+    turns = {t["uid"]: t for t in read_records(tmp_path / "data")}
+    assert len(turns) == demo.BATCH_SIZE
+    for uid, t in turns.items():
+        assert scores[uid] == by_decode(t["choices"][0]["completion_ids"])
+
+    spaced = smol.encode("2024 18 42")  # '2' '0' '2' '4' ' ' '1' '8' ' ' '4' '2'
+    digits = [i for i in spaced if smol.decode([i]).strip()]
+    with demo.scoring_tokens(resolve_source("smollm2-135m-instruct").path):
+        assert demo.digit_reward(turn_with(digits), None) == 1.0
+        assert demo.digit_reward(turn_with(smol.encode("warm and windy")), None) == -1.0
+        # 8 digits of 10 tokens (a space is a token of its own); the end token is not counted
+        assert demo.digit_reward(turn_with(spaced + [smol.eos_token_id]), None) == \
+            pytest.approx(0.6)
+    # outside a demo the reward reads tiny's ids, among which SmolLM2's digits are letters
+    assert demo.digit_reward(turn_with(digits), None) == -1.0

@@ -463,3 +463,24 @@ def test_submit_from_many_threads_while_the_trainer_trains(own, tmp_path):
     trained = [u for ln in read_records(tmp_path, "training.jsonl") if ln["kind"] == "step"
                for u in ln["uids"]]
     assert sorted(trained) == sorted(s["turn"]["uid"] for s in items)
+
+
+def test_a_trainer_stopped_while_paused_trains_nothing(own, tmp_path):
+    """Pause holds a batch; stopping then must not train it on the way out (its items stay
+    untrained, so a restart trains them)."""
+    settings = make_settings(tmp_path, train=True, batch_size=2, learning_rate=1e-3)
+    trainer = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
+    before = lora_weights(trainer.model)
+    trainer.pause()
+    trainer.start()
+    for i in range(2):
+        trainer.submit(random_item(own.vocab_size, 500 + i))
+    deadline = time.time() + 30
+    while not trainer.inbox.empty() and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # the full batch is collected and held in _control by the pause
+    trainer.stop()
+    after = lora_weights(trainer.model)
+    assert trainer.step == 0 and not trainer.trained
+    assert all(mx.array_equal(before[k], after[k]).item() for k in before)
+    assert [x["kind"] for x in read_records(tmp_path, "training.jsonl")] == ["pause"]
