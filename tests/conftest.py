@@ -156,13 +156,23 @@ def taught_adapter(tmp_path_factory):
             total = total + nn.losses.cross_entropy(logits, mx.array(target)[None]).mean()
         return total
 
+    def taught() -> bool:
+        """Greedy decoding gives every target token, each ahead of the runner-up by a nat."""
+        for prompt, target in pairs:
+            logits = model(mx.array(prompt + target)[None][:, :-1])[0, len(prompt) - 1:]
+            top2 = mx.sort(logits, axis=-1)[:, -2:]
+            if (mx.argmax(logits, axis=-1).tolist() != target
+                    or (top2[:, 1] - top2[:, 0]).min().item() < 1.0):
+                return False
+        return True
+
     opt = optim.Adam(learning_rate=1e-3)
     step = nn.value_and_grad(model, loss_fn)
-    for _ in range(600):
+    for i in range(600):
         loss, grads = step(model)
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state)
-        if loss.item() < 0.02:
+        if i % 10 == 9 and taught():  # the loss levels off near 0.1 long after this holds
             break
     path = save_adapter(model, loaded.lora_config, tmp_path_factory.mktemp("adapter"))
     return path

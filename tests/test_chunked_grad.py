@@ -1,5 +1,5 @@
 """Chunked training of one sequence on the real tiny model: the same log-probs and gradients as
-the whole-sequence computation, exact session packing, skipped oversize turns, and a 20k-token
+the whole-sequence computation, exact session packing, skipped oversize turns, and a 16k-token
 turn that trains in a few hundred MB."""
 
 from __future__ import annotations
@@ -238,11 +238,11 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", ["none", "full"])
 def test_an_agent_length_turn_trains_with_bounded_memory(mode, tmp_path):
-    """One optimizer step on a 20,480-token turn (a real agent's turn is 15-21k tokens), in a
+    """One optimizer step on a 16,384-token turn (a real agent's turn is 15-21k tokens), in a
     child process whose peak RSS we read. Training it whole would need several GB per layer
     for the attention scores alone (3.4 GB at 8,192 tokens). 32,768 tokens were measured the
-    same way; at that length the two cases took 4 of the suite's minutes."""
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, "20480", str(tmp_path)],
+    same way (README); at that length the two cases took 4 of the suite's minutes."""
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, "16384", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -577,9 +577,9 @@ def hammer(http, srv, path, bases, n):
     assert_healthy(http, srv)
 
 
-HAMMERED = [("/v1/chat/completions", CHAT, 700), ("/v1/responses", RESPONSES, 450),
-            ("/v1/messages", MESSAGES, 450), ("/v1/messages/count_tokens", COUNT, 200),
-            ("/v1/feedback", FEEDBACK, 250)]
+HAMMERED = [("/v1/chat/completions", CHAT, 350), ("/v1/responses", RESPONSES, 225),
+            ("/v1/messages", MESSAGES, 225), ("/v1/messages/count_tokens", COUNT, 100),
+            ("/v1/feedback", FEEDBACK, 125)]
 
 
 @pytest.mark.slow

@@ -194,8 +194,9 @@ def own():
 
 
 def test_a_step_that_raises_is_retried_turn_by_turn_and_its_turn_quarantined(own, tmp_path):
+    # baseline none: a turn retried alone must carry signal (a mean baseline can zero it)
     flags = dict(judge=False, at_least_one=False, reward_functions=["test_trainer:target_reward"],
-                 save_interval=1000, prefix_cache=False)
+                 save_interval=1000, prefix_cache=False, baseline="none")
     with ServerThread(make_settings(tmp_path, **flags), own) as s:  # record, no training
         first = [chat(s.url, f"rec-{i}", f"hello {i}") for i in range(2)]
         wait_until(lambda: len([r for r in read_records(tmp_path, "prm_scores.jsonl")
@@ -393,7 +394,9 @@ def test_a_retried_turn_advances_the_reward_baseline_once(own, tmp_path):
 def test_every_turn_failing_alike_pauses_training_instead_of_quarantining_all(own, tmp_path):
     """A cause outside the turns (say, a model the loss does not support): after three
     different turns fail in a row with one error type, training pauses with an error."""
-    t = offline_trainer(own, tmp_path, batch_size=1, save_interval=1000)
+    # baseline none: equal rewards after the first would be zero advantages, never reaching
+    # the loss at all
+    t = offline_trainer(own, tmp_path, batch_size=1, save_interval=1000, baseline="none")
 
     def unsupported(*args, **kwargs):
         raise NotImplementedError("this model's layers are not supported")
