@@ -12,8 +12,11 @@ the OPD term is exactly 0 for a turn without teacher log-probs and the RL term 0
 a = r for a lone choice (the trainer may then subtract its running mean), and for a request with
 n > 1 whose scored choices number 2 or more, the group-relative advantage, over the choices with
 a reward (std: the sample std, n - 1, as TRL's GRPO):
-  baseline "group" (and any other)  a_i = r_i - mean(group)          (Dr. GRPO: no division)
-  baseline "group-std"              a_i = (r_i - mean(group)) / max(std(group), group_std_floor)
+  baseline "group"                  a_i = r_i - mean(group)          (Dr. GRPO: no division)
+  any other baseline (the default)  a_i = (r_i - mean(group)) / max(std(group), group_std_floor)
+The divided form is the default because it learned at least as well on SmolLM2: in one side by
+side bench/learn.py run (4 choices, lr 3e-5, 10 training minutes each) it ended at +0.48 sampled
+held-out reward against +0.34 for Dr. GRPO, from -0.63 (intervals overlapping at every point).
 A group whose rewards are all equal gives every choice exactly 0 (the trainer takes no step on a
 batch of such). The floor (default STD_FLOOR = 0.1, 5% of the [-1, 1] reward range) keeps a
 near-identical group from being blown up to full-size advantages: dividing by std + 1e-4, as
@@ -176,15 +179,15 @@ def group_baseline(rewards: list[float | None], mode: str,
                    std_floor: float = STD_FLOOR) -> tuple[float | None, float | None]:
     """(baseline, scale) for the choices of one request: a_i = (r_i - baseline) / scale.
     (None, None) when fewer than 2 choices have a reward: not baselined here (the trainer's
-    own --baseline then applies). Any mode uses the group mean for a group of 2 or more;
-    "group-std" divides by the group's std, never by less than STD_FLOOR."""
+    own --baseline then applies). Any mode uses the group mean for a group of 2 or more, and
+    divides by the group's std, never by less than the floor, except "group" (Dr. GRPO)."""
     group = [r for r in rewards if r is not None]
     if len(group) < 2:
         return None, None
     if max(group) == min(group):
         return group[0], None  # every a_i is exactly 0: the group carries no signal
     mean = statistics.fmean(group)
-    if mode != "group-std":
+    if mode == "group":
         return mean, None
     return mean, max(statistics.stdev(group), std_floor)  # tiny spreads stay tiny
 

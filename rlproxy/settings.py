@@ -200,7 +200,7 @@ class ScoringSettings(Section):
         10.0, gt=0, description="a reward function still running after this many seconds is "
         "recorded as failed (it runs on a worker thread, never on the event loop)")
     group_std_floor: float = Field(
-        STD_FLOOR, gt=0, description="with --baseline group-std, a group's rewards are divided "
+        STD_FLOOR, gt=0, description="a group's rewards (n > 1) are divided "
         "by max(std, this): a near-identical group gets proportionally small advantages instead "
         "of full-size ones (rewards are in [-1, 1])")
     score_all_choices: bool = Field(
@@ -243,9 +243,9 @@ class TrainerSettings(Section):
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm (0: off)")
     baseline: Literal["group", "group-std", "mean", "none"] = Field(
         "mean", description="advantage baseline: group (r - mean of the request's scored "
-        "choices, Dr. GRPO), group-std (also divided by max(their std, group_std_floor)), mean "
-        "(running mean of rewards), none; a group of 2 or more scored choices always uses its "
-        "group baseline")
+        "choices, Dr. GRPO, also for groups), group-std (also divided by max(their std, "
+        "group_std_floor)), mean (running mean of rewards), none; a group of 2 or more scored "
+        "choices always uses its group mean, divided as group-std unless this is group")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field(
         "constant", description="learning-rate schedule after warmup")
     warmup_steps: int = Field(0, ge=0, description="linear warmup from 0 over this many steps")

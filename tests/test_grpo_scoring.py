@@ -23,19 +23,19 @@ from conftest import AppThread, ServerThread, make_settings, read_records
 STD = math.sqrt((0.875 ** 2 + 0.125 ** 2 + 1.125 ** 2 + 0.375 ** 2) / 3)  # sample std of below
 
 
-@pytest.mark.parametrize("mode", ["group", "mean", "none"])
-def test_group_of_four_subtracts_the_mean(mode):
-    # rewards 1, 0, -1, 0.5: mean 0.125; any baseline mode uses the group's for 2+ scored
-    assert scoring.group_baseline([1.0, 0.0, -1.0, 0.5], mode) == (0.125, None)
-    assert scoring.group_advantages([1.0, 0.0, -1.0, 0.5], mode) == [0.875, -0.125, -1.125,
-                                                                      0.375]
+def test_group_of_four_subtracts_the_mean_with_dr_grpo():
+    # rewards 1, 0, -1, 0.5: mean 0.125; --baseline group: no division
+    assert scoring.group_baseline([1.0, 0.0, -1.0, 0.5], "group") == (0.125, None)
+    assert scoring.group_advantages([1.0, 0.0, -1.0, 0.5], "group") == [0.875, -0.125, -1.125,
+                                                                         0.375]
 
 
-def test_group_of_four_divided_by_its_std():
-    # std 0.854 is above the floor (0.1): divided by the std itself
-    assert scoring.group_baseline([1.0, 0.0, -1.0, 0.5], "group-std") == pytest.approx(
-        (0.125, STD))
-    assert scoring.group_advantages([1.0, 0.0, -1.0, 0.5], "group-std") == pytest.approx(
+@pytest.mark.parametrize("mode", ["group-std", "mean", "none"])
+def test_group_of_four_divided_by_its_std(mode):
+    # every other baseline (mean is the default) divides a group by its std, never below the
+    # floor; std 0.854 is above the floor (0.1): divided by the std itself
+    assert scoring.group_baseline([1.0, 0.0, -1.0, 0.5], mode) == pytest.approx((0.125, STD))
+    assert scoring.group_advantages([1.0, 0.0, -1.0, 0.5], mode) == pytest.approx(
         [0.875 / STD, -0.125 / STD, -1.125 / STD, 0.375 / STD])
     assert 0.8539 < STD < 0.8540
 
@@ -303,7 +303,7 @@ def releases(data_dir) -> list[dict]:
 
 def test_every_choice_is_recorded_scored_and_released_with_its_group_baseline(tiny, tmp_path):
     with serve(tiny, tmp_path, judge=False, reward_functions=["test_grpo_scoring:by_choice"],
-               at_least_one=False) as s:
+               at_least_one=False, baseline="group") as s:  # Dr. GRPO: exact by hand
         released = capture(s)
         texts, chosen = group_turn(s, "grpo")
         wait_for(lambda: s.app[SCORER].pending == 0 and len(released) == 5, what="5 releases")
@@ -383,7 +383,7 @@ def test_without_score_all_choices_the_judge_sees_only_the_chosen(tiny, tmp_path
 
 def test_feedback_on_a_group_retrains_the_chosen_choice_only(tiny, tmp_path):
     with serve(tiny, tmp_path, judge=False, reward_functions=["test_grpo_scoring:by_choice"],
-               at_least_one=False) as s:
+               at_least_one=False, baseline="group") as s:  # Dr. GRPO: exact by hand
         released = capture(s)
         texts, chosen = group_turn(s, "fb")
         wait_for(lambda: s.app[SCORER].pending == 0 and len(released) == 5, what="5 releases")
