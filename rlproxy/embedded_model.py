@@ -12,10 +12,9 @@ This module only writes the directory; loading belongs to `rlproxy.model`.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from rlproxy.model_fetch import build_once, model_cache_dir
 
 # Bump when anything below changes what is generated: old directories are then left unused.
 GENERATOR_VERSION = 1
@@ -80,31 +79,12 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}"""
 
 
-def default_cache_dir() -> Path:
-    root = os.environ.get("RLPROXY_CACHE_DIR") or Path.home() / ".cache" / "rlproxy"
-    return Path(root) / "models"
-
-
 def embedded_model_path(size: str = "tiny", cache_dir: Path | None = None) -> Path:
     """Return the directory of the embedded model of `size`, generating it on first use."""
     if size not in SIZES:
         raise ValueError(f"unknown embedded model size {size!r}; choose one of {sorted(SIZES)}")
-    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-    path = cache_dir / f"embedded-{size}-v{GENERATOR_VERSION}"
-    if (path / "config.json").exists():
-        return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Generate beside the target and rename: concurrent first uses never see half a model.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=cache_dir))
-    try:
-        write_embedded_model(tmp, size)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race; its copy is identical
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    path = Path(cache_dir or model_cache_dir()) / f"embedded-{size}-v{GENERATOR_VERSION}"
+    return build_once(path, lambda tmp: write_embedded_model(tmp, size))
 
 
 def write_embedded_model(path: Path, size: str) -> None:

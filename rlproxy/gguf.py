@@ -16,9 +16,9 @@ import hashlib
 import json
 import logging
 import re
-import shutil
-import tempfile
 from pathlib import Path
+
+from rlproxy.model_fetch import build_once
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +78,12 @@ def converted_dir(gguf: Path, dequantize: bool, cache_dir: Path) -> Path:
         raise GGUFError(f"no GGUF file at {gguf}")
     kind = "f32" if dequantize else "q"
     path = Path(cache_dir) / f"gguf-{file_sha256(gguf)[:20]}-{kind}-v{CONVERTER_VERSION}"
-    if (path / "config.json").exists():
-        return path
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    # Write beside the target and rename: a concurrent first use never sees half a model.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=cache_dir))
-    try:
+
+    def write(tmp: Path) -> None:
         log.info("converting %s into %s (once)", gguf, path)
         convert(gguf, tmp, dequantize)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process converted it first; its copy is identical
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return build_once(path, write)
 
 
 # What mx.load reads: these stay quantized (MLX's affine layout) or are plain floats ...

