@@ -97,8 +97,9 @@ def test_a_gguf_file_serves_the_same_logprobs_as_its_directory(tiny, tiny_gguf, 
     # converted once, keyed by the file's hash: a second load reuses the directory
     (converted,) = (tmp_path / "cache" / "models").glob("gguf-*")
     mtime = (converted / "model.safetensors").stat().st_mtime_ns
-    again = load_serving_model(ModelSettings(model=str(tiny_gguf)))
-    assert Path(again.source) == converted
+    # (converted_dir itself: resolve_source memoizes per process and would not look again)
+    again = gguf.converted_dir(tiny_gguf, gguf.use_dequantized("auto"), converted.parent)
+    assert again == converted
     assert (converted / "model.safetensors").stat().st_mtime_ns == mtime
 
 
