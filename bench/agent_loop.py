@@ -83,7 +83,8 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "rlproxy.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "rlproxy.cli", "serve", "--model", args.model,
+               "--port", str(self.port),
                "--data-dir", str(self.data_dir), "--no-judge", "--no-at-least-one",
                "--reward-function", "bench_reward:reward", "--batch-size", str(args.batch_size),
                "--save-interval", "1000000", "--no-fsync", "--log-level", "WARNING",
@@ -457,6 +458,9 @@ def main() -> None:
     parser.add_argument("--tools", type=int, help="tool schemas sent (20; quick 4)")
     parser.add_argument("--max-tokens", type=int, default=48, help="reply length cap")
     parser.add_argument("--batch-size", type=int, default=1, help="the training server's")
+    parser.add_argument("--model", default="tiny",
+                        help="served model (default tiny: its 40,960-token window holds the "
+                        "15,000-token prompts; SmolLM2's 8,192 does not)")
     parser.add_argument("--train-wait", type=float,
                         help="max s to wait for the trainer before each off session (45; quick 20)")
     parser.add_argument("--final-wait", type=float,

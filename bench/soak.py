@@ -88,8 +88,9 @@ class Server:
             env["RLPROXY_CACHE_DIR"] = os.environ["RLPROXY_CACHE_DIR"]
         self.data_dir.mkdir(parents=True)
         self.log = root / "server.log"
-        cmd = [sys.executable, "-m", "rlproxy.cli", "serve", "--port", str(self.port),
-               "--data-dir", str(self.data_dir), "--log-level", "WARNING", *args.serve_arg]
+        cmd = [sys.executable, "-m", "rlproxy.cli", "serve", "--model", args.size,
+               "--port", str(self.port), "--data-dir", str(self.data_dir),
+               "--log-level", "WARNING", *args.serve_arg]
         self.proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=self.log.open("w"),
                                      stderr=subprocess.STDOUT)
 
@@ -440,7 +441,8 @@ def main() -> None:
     parser.add_argument("--idle-timeout-s", type=float, default=60.0)
     parser.add_argument("--max-open-sessions", type=int, default=2048)
     parser.add_argument("--prefix-cache-memory-mb", type=float, default=128.0)
-    parser.add_argument("--size", default="tiny", help="label for the result (embedded model)")
+    parser.add_argument("--size", default="tiny",
+                        help="the served model: tiny or small (generated), or any --model")
     parser.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]),
                         help="the checkout whose `rlproxy serve` runs (default: this one)")
     parser.add_argument("--serve-arg", action="append", default=[],
