@@ -24,8 +24,8 @@ from pathlib import Path
 
 from agent_workload import SYSTEM_PROMPT, TOOLS
 from common import environment, report
-from rlproxy.engine import Engine, Job, SamplingParams
-from rlproxy.model import load_serving_model
+from rlproxy.serving.engine import Engine, Job, SamplingParams
+from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import load_settings
 
 

@@ -39,11 +39,11 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from common import environment, percentile, report
-from rlproxy.engine import Engine, Job, SamplingParams
-from rlproxy.model import load_serving_model, lora_weights
-from rlproxy.prefix_cache import open_prefix_cache
+from rlproxy.serving.engine import Engine, Job, SamplingParams
+from rlproxy.serving.model import load_serving_model, lora_weights
+from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.settings import load_settings
-from rlproxy.trainer import Trainer, training_copy
+from rlproxy.training.trainer import Trainer, training_copy
 
 KS = (1, 2, 4, 8)
 WORDS = ("read the file run the tests fix the failing import check the schema call the tool "

@@ -33,7 +33,7 @@ from pathlib import Path
 import aiohttp
 
 from common import environment, report, start_server
-from rlproxy.model import LoadedModel, load_serving_model
+from rlproxy.serving.model import LoadedModel, load_serving_model
 from rlproxy.settings import load_settings
 
 GOAL = 10.0  # cold TTFT / warm-from-disk TTFT, at least

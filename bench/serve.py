@@ -30,7 +30,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from common import environment, report, start_server
-from rlproxy.model import LoadedModel, load_serving_model
+from rlproxy.serving.model import LoadedModel, load_serving_model
 from rlproxy.settings import load_settings
 
 OVERHEAD_GOAL = 1.05  # proxy time / in-process time, at most

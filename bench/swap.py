@@ -49,13 +49,13 @@ import mlx.optimizers as optim
 from mlx.utils import tree_map
 
 from common import environment, percentile, report
-from rlproxy.engine import Engine, Job, SamplingParams
-from rlproxy.model import LoadedModel, load_serving_model, lora_weights
-from rlproxy.kv_blobs import adapter_fingerprint
-from rlproxy.prefix_cache import open_prefix_cache
+from rlproxy.serving.engine import Engine, Job, SamplingParams
+from rlproxy.serving.model import LoadedModel, load_serving_model, lora_weights
+from rlproxy.kv.blobs import adapter_fingerprint
+from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.records import read_jsonl
 from rlproxy.settings import Settings, load_settings
-from rlproxy.trainer import TRAINING, Trainer, training_copy
+from rlproxy.training.trainer import TRAINING, Trainer, training_copy
 
 PAUSE_GOAL_MS = 5.0  # extra decode pause caused by one swap, p50 and p99, at most
 DECODE_GOAL = 0.5  # decode tok/s while training at the default duty cycle / idle, at least

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from common import environment, percentile, report, start_server
-from rlproxy.model import load_serving_model
+from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import ModelSettings, load_settings
 from rlproxy.tinker import models
 

@@ -29,8 +29,8 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rlproxy  # noqa: E402,F401  (preloads OpenBLAS)
-from rlproxy.blas import blas_in_use  # noqa: E402
-from rlproxy.model import resolve_source  # noqa: E402
+from rlproxy.serving.blas import blas_in_use  # noqa: E402
+from rlproxy.serving.model import resolve_source  # noqa: E402
 
 TOPICS = ["the sea", "a lighthouse", "winter", "a market", "a train", "the moon", "a library",
           "a garden", "a storm", "a bridge", "a river", "the desert", "a city at night"]

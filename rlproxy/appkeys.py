@@ -1,27 +1,37 @@
-"""Typed keys for the long-lived objects the aiohttp app holds (one place, no import cycles)."""
+"""Typed keys for the long-lived objects the aiohttp app holds (one place, no import cycles).
+
+The component types are named for type checkers only: at run time this module imports no
+component, so anything (the metrics collector, the dashboard) can read the app's objects by
+these keys without importing what they are.
+"""
+
+from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
-import diskcache
 from aiohttp import web
-from prometheus_client import CollectorRegistry
 
-from rlproxy.engine import Engine
-from rlproxy.model import LoadedModel
-from rlproxy.scorer import Scorer
-from rlproxy.sessions import SessionStore
-from rlproxy.settings import Settings
-from rlproxy.trainer import Trainer
-from rlproxy.ui.index import RecordIndex
+if TYPE_CHECKING:
+    import diskcache
+    from prometheus_client import CollectorRegistry
 
-SETTINGS = web.AppKey("settings", Settings)
-MODEL = web.AppKey("model", LoadedModel)
-ENGINE = web.AppKey("engine", Engine)
-SESSIONS = web.AppKey("sessions", SessionStore)
-SCORER = web.AppKey("scorer", Scorer)  # finished main turns go here; it hands them to TRAINER
-STARTED = web.AppKey("started", float)
-TRAINER = web.AppKey("trainer", Trainer)  # absent with --no-train
-RESPONSES = web.AppKey("responses", diskcache.Cache)  # stored Responses (api/response_store.py)
-METRICS = web.AppKey("metrics", CollectorRegistry)  # what GET /metrics exposes (metrics.py)
-RECORD_INDEX = web.AppKey("record_index", RecordIndex)  # the dashboard's view of the records
-LIVE = web.AppKey("live", deque)  # the dashboard's recent samples of rates (ui/views.py)
+    from rlproxy.ops.ui.index import RecordIndex
+    from rlproxy.scoring.scorer import Scorer
+    from rlproxy.serving.engine import Engine
+    from rlproxy.serving.model import LoadedModel
+    from rlproxy.sessions.store import SessionStore
+    from rlproxy.settings import Settings
+    from rlproxy.training.trainer import Trainer
+
+SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
+MODEL: web.AppKey[LoadedModel] = web.AppKey("model")
+ENGINE: web.AppKey[Engine] = web.AppKey("engine")
+SESSIONS: web.AppKey[SessionStore] = web.AppKey("sessions")
+SCORER: web.AppKey[Scorer] = web.AppKey("scorer")  # finished main turns go here
+STARTED: web.AppKey[float] = web.AppKey("started")
+TRAINER: web.AppKey[Trainer] = web.AppKey("trainer")  # absent with --no-train
+RESPONSES: web.AppKey[diskcache.Cache] = web.AppKey("responses")  # api/response_store.py
+METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")  # what GET /metrics exposes
+RECORD_INDEX: web.AppKey[RecordIndex] = web.AppKey("record_index")  # the dashboard's records
+LIVE: web.AppKey[deque] = web.AppKey("live")  # the dashboard's recent rates (ops/ui/views.py)

@@ -7,15 +7,15 @@ import os
 import sys
 from pathlib import Path
 
-from rlproxy import progress
+from rlproxy.ops import progress
 from rlproxy.flags import SETTINGS_SOURCES, add_serve_flags, add_setting_flag, flags_from
-from rlproxy.logs import setup_logging
+from rlproxy.ops.logs import setup_logging
 from rlproxy.settings import ModelSettings, load_settings
 
 
 def serve(args: argparse.Namespace) -> int:
     from rlproxy.api import edge
-    from rlproxy.server import create_app
+    from rlproxy.app import create_app
 
     settings = load_settings(flags_from(args), args.config)
     setup_logging(args.log_level, settings.server.log_format)  # flag > env > the TOML file
@@ -67,8 +67,8 @@ def records_tail(args: argparse.Namespace) -> int:
 
 
 def fuse_cmd(args: argparse.Namespace) -> int:
-    from rlproxy.checkpoints import fuse
-    from rlproxy.model import resolve_model_path
+    from rlproxy.training.checkpoints import fuse
+    from rlproxy.serving.model import resolve_model_path
 
     settings = load_settings({"model": args.model})
     source, _ = resolve_model_path(settings.model)
@@ -83,8 +83,8 @@ def fuse_cmd(args: argparse.Namespace) -> int:
 
 def train_cmd(args: argparse.Namespace) -> int:
     """Retrain from recorded turns and scores with the live trainer's code path."""
-    from rlproxy.model import load_serving_model
-    from rlproxy.trainer import Trainer, released_turns, training_copy
+    from rlproxy.serving.model import load_serving_model
+    from rlproxy.training.trainer import Trainer, released_turns, training_copy
 
     source = Path(args.source)
     flags = flags_from(args)
@@ -117,13 +117,13 @@ def train_cmd(args: argparse.Namespace) -> int:
 
 
 def status_cmd(args: argparse.Namespace) -> int:
-    from rlproxy.status import status_cmd as run
+    from rlproxy.ops.status import status_cmd as run
 
     return run(args)
 
 
 def demo_cmd(args: argparse.Namespace) -> int:
-    from rlproxy.demo import run_demo
+    from rlproxy.demo.run import run_demo
 
     return run_demo(args)
 

@@ -204,7 +204,7 @@ class ResponseFormat(BaseModel):
 
 class SessionFields(BaseModel):
     """What every API's request body shares: the session protocol's body fallbacks (for
-    clients that cannot set headers; see sessions.py), and explicit nulls read as unset."""
+    clients that cannot set headers; see sessions/store.py), and explicit nulls read as unset."""
 
     session_id: str | None = None
     turn_type: str | None = None

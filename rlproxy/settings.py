@@ -18,8 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
-from rlproxy.losses import LOSSES  # noqa: E402  (one list of loss names)
-from rlproxy.scoring import STD_FLOOR  # noqa: E402  (the floor's default, documented there)
+from rlproxy.training.losses import LOSSES  # noqa: E402  (one list of loss names)
+from rlproxy.scoring.judging import STD_FLOOR  # noqa: E402  (the floor's default, documented there)
 
 
 class Section(BaseModel):

@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 
 from rlproxy.api import edge
-from rlproxy.model import load_serving_model, save_adapter
-from rlproxy.server import create_app
+from rlproxy.serving.model import load_serving_model, save_adapter
+from rlproxy.app import create_app
 from rlproxy.settings import ModelSettings, load_settings
 
 
@@ -194,7 +194,7 @@ def thinking_model(tiny, tmp_path_factory):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from transformers import AutoTokenizer
 
-    from rlproxy.embedded_model import embedded_model_path
+    from rlproxy.serving.embedded_model import embedded_model_path
 
     path = tmp_path_factory.mktemp("thinking-tokenizer")
     hf = AutoTokenizer.from_pretrained(embedded_model_path("tiny"))

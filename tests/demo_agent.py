@@ -9,7 +9,7 @@ import time
 import requests
 from aiohttp import ClientSession, ClientTimeout
 
-from rlproxy import demo
+from rlproxy.demo import run as demo
 from conftest import make_settings
 
 

@@ -17,12 +17,12 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from rlproxy import chunked_grad as cg
-from rlproxy import losses
-from rlproxy.jobs import Job, SamplingParams
-from rlproxy.model import load_serving_model
+from rlproxy.training import chunked_grad as cg
+from rlproxy.training import losses
+from rlproxy.serving.jobs import Job, SamplingParams
+from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import ModelSettings
-from rlproxy.trainer import Trainer, training_copy
+from rlproxy.training.trainer import Trainer, training_copy
 from conftest import make_settings, read_records
 
 LOSS_KW = {"eps_low": 0.2, "eps_high": 0.28, "beta": 0.1}
@@ -213,9 +213,9 @@ CHILD = textwrap.dedent("""
     import json, resource, sys
     import rlproxy
     import mlx.core as mx
-    from rlproxy.model import load_serving_model, lora_weights
+    from rlproxy.serving.model import load_serving_model, lora_weights
     from rlproxy.settings import ModelSettings, load_settings
-    from rlproxy.trainer import Trainer, training_copy
+    from rlproxy.training.trainer import Trainer, training_copy
     mode, n, data = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     own = load_serving_model(ModelSettings(model="tiny"))
     settings = load_settings({"data_dir": data, "batch_size": 1, "prompt_grad": mode,
@@ -257,7 +257,7 @@ def test_an_agent_length_turn_trains_with_bounded_memory(mode, tmp_path):
 def test_a_request_arriving_mid_step_is_not_held_for_the_step(tmp_path):
     """Serving first: the trainer yields between units, so a short request submitted while a
     long turn trains gets its first token long before the step ends."""
-    from rlproxy.engine import Engine
+    from rlproxy.serving.engine import Engine
 
     own = load_serving_model(ModelSettings(model="tiny"))
     engine = Engine(own.model, own.tokenizer.eos_token_ids)

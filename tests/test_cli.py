@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from rlproxy.cli import build_parser, flags_from, main
-from rlproxy.model import load_serving_model
+from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import SECTIONS, ModelSettings, Settings, load_settings
 from conftest import ServerThread, make_settings, read_records
 

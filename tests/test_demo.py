@@ -13,8 +13,8 @@ import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
 import pytest
 from transformers import AutoTokenizer
 
-from rlproxy import demo
-from rlproxy.embedded_model import embedded_model_path
+from rlproxy.demo import run as demo
+from rlproxy.serving.embedded_model import embedded_model_path
 from rlproxy.records import PENDING, load_pending
 from conftest import read_records
 
@@ -137,7 +137,7 @@ def test_the_guarded_demo_rolls_back_a_learning_rate_set_too_high_and_marks_it(t
     about 1 nat per token from the served adapter; the gate refuses three in a row, halving the
     rate each time, then pauses training. The served adapter never changes; the printed curve,
     curve.json and the chart mark each rollback."""
-    from rlproxy import demo_guard
+    from rlproxy.demo import guard as demo_guard
 
     args = argparse.Namespace(steps=12, out=str(tmp_path), model="tiny",
                               log_level="WARNING", guard=True)
@@ -177,7 +177,7 @@ def test_the_demo_on_smollm2_scores_with_its_tokenizer(tmp_path, capsys, monkeyp
     """One PPO step on SmolLM2 (4 fresh samples per measurement, not 16, to stay short): the
     demo says what it serves, trains at the real model's rate, and every turn is scored with
     SmolLM2's token ids (its digits are single tokens), not the tiny model's."""
-    from rlproxy.model import resolve_source
+    from rlproxy.serving.model import resolve_source
 
     smol = AutoTokenizer.from_pretrained(resolve_source("smollm2-135m-instruct").path)
     monkeypatch.setattr(demo, "EVAL_SAMPLES", 4)

@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from rlproxy.engine import Engine, Job, SamplingParams
+from rlproxy.serving.engine import Engine, Job, SamplingParams
 
 STEP = 512  # prefill chunk: small, so a long prompt is many chunks and the test stays short
 

@@ -17,11 +17,11 @@ import pytest
 import requests
 
 from conftest import ServerThread, make_settings
-from rlproxy import gguf
+from rlproxy.serving import gguf
 from rlproxy.cli import main
-from rlproxy.embedded_model import embedded_model_path
-from rlproxy.model import load_serving_model
-from rlproxy.model_fetch import ModelUnavailable, named_model_file
+from rlproxy.serving.embedded_model import embedded_model_path
+from rlproxy.serving.model import load_serving_model
+from rlproxy.serving.model_fetch import ModelUnavailable, named_model_file
 from rlproxy.settings import ModelSettings
 
 TO_GGUF = {v: k for k, v in {**gguf.BLOCK_NAMES, **gguf.TOP_NAMES}.items()}

@@ -18,10 +18,10 @@ import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from rlproxy.engine import Engine
-from rlproxy.model import load_serving_model
+from rlproxy.serving.engine import Engine
+from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import ModelSettings
-from rlproxy.trainer import Trainer, training_copy
+from rlproxy.training.trainer import Trainer, training_copy
 from conftest import make_settings, read_records
 from test_guard import byte_reward, sample
 

@@ -13,9 +13,9 @@ import pytest
 import requests
 from aiohttp import web
 
-from rlproxy import scoring
+from rlproxy.scoring import judging as scoring
 from rlproxy.appkeys import SCORER
-from rlproxy.rewards import RewardFunctions
+from rlproxy.scoring.rewards import RewardFunctions
 from conftest import AppThread, ServerThread, make_settings, read_records
 
 # ---- group advantages by hand: a group of 4 ----

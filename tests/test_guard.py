@@ -15,13 +15,14 @@ import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from rlproxy import degeneracy, eval_gate
-from rlproxy.engine import Engine
-from rlproxy.checkpoints import latest_checkpoint
-from rlproxy.model import load_serving_model, lora_weights
-from rlproxy.schedule import lr_at
+from rlproxy.training import degeneracy
+from rlproxy.training import gate as eval_gate
+from rlproxy.serving.engine import Engine
+from rlproxy.training.checkpoints import latest_checkpoint
+from rlproxy.serving.model import load_serving_model, lora_weights
+from rlproxy.training.schedule import lr_at
 from rlproxy.settings import ModelSettings, TrainerSettings
-from rlproxy.trainer import Trainer, training_copy
+from rlproxy.training.trainer import Trainer, training_copy
 from conftest import make_settings, read_records
 from test_chunked_grad import first_token_s
 from test_trainer import sample  # the engine's own samples, token ids and log-probs
@@ -319,7 +320,7 @@ def test_an_evaluation_does_not_hold_a_request_arriving_during_it(own, tmp_path)
     long before the evaluation ends."""
     import threading
 
-    from rlproxy.mlx_threads import mlx_thread
+    from rlproxy.serving.mlx_threads import mlx_thread
 
     words = ["the", "of", "and", "to", "in", "is", "that", "it", "was", "for"]
     long = [{"role": "user", "content": " ".join(words[i % 10] for i in range(6000))}]

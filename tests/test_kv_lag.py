@@ -20,8 +20,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from conftest import ServerThread, make_settings, read_records
 from rlproxy.appkeys import ENGINE
-from rlproxy.engine import Job, SamplingParams
-from rlproxy.model import load_serving_model, lora_weights
+from rlproxy.serving.engine import Job, SamplingParams
+from rlproxy.serving.model import load_serving_model, lora_weights
 from rlproxy.settings import ModelSettings
 from test_prefix_cache import Engines, changed_adapter, publish, random_tokens
 
@@ -225,8 +225,8 @@ def test_a_rollback_starts_a_new_lineage(changing, tmp_path):
     """Trainer.rollback publishes v+1 with an old checkpoint's weights: v+1 did not come from
     the adapters served since, so their KV is not reused under it (nor the old one's: it is a
     new lineage), while an ordinary step after the rollback links to it again."""
-    from rlproxy.checkpoints import save_checkpoint
-    from rlproxy.trainer import Trainer, training_copy
+    from rlproxy.training.checkpoints import save_checkpoint
+    from rlproxy.training.trainer import Trainer, training_copy
 
     loaded, adapters = changing
     rng = random.Random(6)

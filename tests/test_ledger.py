@@ -1,4 +1,4 @@
-"""The at-least-one ledger (rlproxy/ledger.py) on hand-built event sequences: submit, score,
+"""The at-least-one ledger (rlproxy/scoring/ledger.py) on hand-built event sequences: submit, score,
 feedback, restore -> releases. Pure: no server, no files."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlproxy.ledger import Ledger, Release
+from rlproxy.scoring.ledger import Ledger, Release
 
 
 def run(ledger: Ledger, session: str, rewards: list[float | None], final: bool = True,

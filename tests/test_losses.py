@@ -1,6 +1,6 @@
 """The policy losses against numbers worked out by hand with `math`, token by token.
 
-Each expected value is written from the formula in rlproxy/losses.py's docstring, never by calling
+Each expected value is written from the formula in rlproxy/training/losses.py's docstring, never by calling
 the loss (or an array copy of it). Gradients are taken with mx.grad w.r.t. logp."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from rlproxy import losses
+from rlproxy.training import losses
 
 TOL = 1e-5
 POLICY_LOSSES = [losses.ppo, losses.importance_sampling, losses.cispo, losses.dro,

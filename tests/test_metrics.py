@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ServerThread, make_settings
 from demo_agent import run_sessions, training_settings, wait_for_steps
-from rlproxy.logs import JsonFormatter
+from rlproxy.ops.logs import JsonFormatter
 
 KEY = "metrics-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -25,10 +25,10 @@ import openai
 import pytest
 import requests
 
-from rlproxy.model import load_serving_model
+from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import ModelSettings
-from rlproxy.train_journal import JOURNAL
-from rlproxy.trainer import Trainer, released_turns, training_copy
+from rlproxy.training.journal import JOURNAL
+from rlproxy.training.trainer import Trainer, released_turns, training_copy
 from conftest import ServerThread, make_settings, read_records
 from test_durability import free_port, read_lines, stop
 
@@ -248,7 +248,7 @@ def make_scored(own, uid: str, completion: list[int]) -> dict:
 def test_the_turns_of_a_step_that_died_come_back_alone(own, tmp_path):
     """A several-turn step the process died in: after the restart each of its turns trains in
     a step of its own (attempt 2), and new turns still train in full batches."""
-    from rlproxy.train_journal import StepJournal
+    from rlproxy.training.journal import StepJournal
 
     dead = StepJournal(tmp_path)
     dead.start(["a", "b"], 40)  # ... and the process died: no end line
@@ -438,7 +438,7 @@ def test_an_update_for_a_waiting_turn_replaces_it_and_queued_is_pruned(own, tmp_
 
 
 def test_a_second_rollback_request_rejects_the_first(own, tmp_path):
-    from rlproxy.trainer import RollbackSuperseded
+    from rlproxy.training.trainer import RollbackSuperseded
 
     t = offline_trainer(own, tmp_path, save_interval=1000)
     first = t.request_rollback(tmp_path / "one")
@@ -454,7 +454,7 @@ def test_the_default_memory_budget_leaves_room_for_the_loaded_weights(own, tmp_p
     too) and the serving reserve, not half of physical memory whatever is loaded."""
     from mlx.utils import tree_flatten
 
-    from rlproxy import chunked_grad
+    from rlproxy.training import chunked_grad
 
     model = training_copy(own)
     alone = Trainer(make_settings(tmp_path, train=True), model, own.lora_config,
@@ -477,7 +477,7 @@ def test_the_step_estimate_covers_a_measured_kv_heavy_long_turn():
     (full) over the loaded model; the estimate without its runtime slack must not be below."""
     from mlx_lm.models import llama
 
-    from rlproxy import chunked_grad
+    from rlproxy.training import chunked_grad
 
     m = llama.Model(llama.ModelArgs(
         model_type="llama", hidden_size=128, num_hidden_layers=4, intermediate_size=256,

@@ -17,9 +17,9 @@ import requests
 from mlx.utils import tree_unflatten
 
 from conftest import ServerThread, make_settings
-from rlproxy.engine import Engine, Job, SamplingParams
-from rlproxy.model import load_serving_model, lora_weights
-from rlproxy.prefix_cache import open_prefix_cache
+from rlproxy.serving.engine import Engine, Job, SamplingParams
+from rlproxy.serving.model import load_serving_model, lora_weights
+from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.settings import CacheSettings, ModelSettings
 
 TOL = 1e-4
@@ -92,7 +92,7 @@ def test_restored_prefix_matches_scratch(engines, case):
         "shorter": (stored + random_tokens(rng, 40), len(stored)),
         "longer": (p0[:70] + random_tokens(rng, 30), 70),  # diverges inside the entry
         "inside": (p0[:70], 69),  # a strict prefix of the entry
-        # the rest is long enough for the engine's chunked prefill (prefill.py), from the hit
+        # the rest is long enough for the engine's chunked prefill (serving/prefill.py), from the hit
         "long_rest": (stored + random_tokens(rng, 400), len(stored)),
     }[case]
     got = engines.run(prompt)

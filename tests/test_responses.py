@@ -373,7 +373,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call(taught_server):
 def test_first_tool_call_only_trims_events_and_the_finished_record():
     # The tiny models never emit two calls in one answer: this drives the filter itself.
     from rlproxy.api.turns import first_tool_call_only
-    from rlproxy.completions import ChoiceEvent, ChoiceRecord
+    from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord
     a, b, d = ({"id": f"call_{x}", "type": "function",
                 "function": {"name": x, "arguments": "{}"}} for x in "abd")
     parsed, rec = [a], ChoiceRecord(index=0, seed=0)

@@ -13,7 +13,7 @@ import threading
 import mlx.core as mx
 import pytest
 
-from rlproxy.engine import Engine, Job, SamplingParams
+from rlproxy.serving.engine import Engine, Job, SamplingParams
 
 PRESENCE, FREQUENCY = 1.5, 0.8
 

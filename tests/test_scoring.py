@@ -15,9 +15,9 @@ import pytest
 import requests
 from aiohttp import web
 
-from rlproxy import scoring
+from rlproxy.scoring import judging as scoring
 from rlproxy.appkeys import ENGINE, SCORER
-from rlproxy.model import lora_weights
+from rlproxy.serving.model import lora_weights
 from conftest import AppThread, ServerThread, make_settings, read_records
 
 # ---- the math ----
@@ -326,7 +326,7 @@ def test_restart_during_outage_loses_no_turn(tiny, tmp_path, judge):
 
 
 def test_local_judge_leaves_the_serving_adapter_alone(tmp_path):
-    from rlproxy.model import load_serving_model
+    from rlproxy.serving.model import load_serving_model
     from rlproxy.settings import ModelSettings
 
     own = load_serving_model(ModelSettings(model="tiny"))  # this test's own copy: weights are compared
@@ -366,7 +366,7 @@ def fake_turn(session: str, index: int, final: bool) -> dict:
 
 async def test_the_scorer_forgets_finished_sessions_and_reads_its_records_back(tmp_path):
     from rlproxy.records import CONVERSATIONS, JsonlWriter
-    from rlproxy.scorer import Scorer
+    from rlproxy.scoring.scorer import Scorer
 
     settings = make_settings(tmp_path, judge=False, reward_functions=["test_scoring:minus_one"])
     turns = JsonlWriter(tmp_path / CONVERSATIONS, fsync=False)

@@ -14,7 +14,7 @@ import requests
 
 from rlproxy.api.tags import TurnTags
 from rlproxy.appkeys import SCORER, SESSIONS
-from rlproxy.sessions import SessionStore, Turn, sweep_idle_forever
+from rlproxy.sessions.store import SessionStore, Turn, sweep_idle_forever
 
 from conftest import ServerThread, make_settings, read_records
 
@@ -178,7 +178,7 @@ def test_x_rl_train_header_over_http(server):
 async def test_kept_responses_stay_within_their_byte_budget(tmp_path, monkeypatch):
     """Kept X-Request-Id responses (streams with logprobs run to megabytes) are bounded in
     bytes as well as in number: the oldest go first, the newest is always kept."""
-    import rlproxy.sessions as sessions
+    import rlproxy.sessions.store as sessions
 
     monkeypatch.setattr(sessions, "KEEP_RESPONSES_BYTES", 10_000)
     store = SessionStore(tmp_path, 60.0, fsync=False)

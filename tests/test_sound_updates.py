@@ -13,11 +13,13 @@ import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from rlproxy import degeneracy, losses, scoring
-from rlproxy.engine import Engine
-from rlproxy.model import load_serving_model, lora_weights
+from rlproxy.training import degeneracy
+from rlproxy.training import losses
+from rlproxy.scoring import judging as scoring
+from rlproxy.serving.engine import Engine
+from rlproxy.serving.model import load_serving_model, lora_weights
 from rlproxy.settings import ModelSettings, TrainerSettings
-from rlproxy.trainer import Trainer, no_signal, training_copy
+from rlproxy.training.trainer import Trainer, no_signal, training_copy
 from conftest import make_settings, read_records
 from test_trainer import sample, scored, setup
 

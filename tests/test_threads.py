@@ -14,11 +14,11 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from transformers import AutoTokenizer
 
 from rlproxy.appkeys import MODEL, SCORER, SESSIONS
-from rlproxy.completions import ChoiceText, prompt_opens_reasoning, reasoning_markers
-from rlproxy.embedded_model import embedded_model_path
+from rlproxy.serving.completions import ChoiceText, prompt_opens_reasoning, reasoning_markers
+from rlproxy.serving.embedded_model import embedded_model_path
 from rlproxy.api.tags import TurnTags
-from rlproxy.sessions import SessionStore, Turn
-from rlproxy.threads import system_key
+from rlproxy.sessions.store import SessionStore, Turn
+from rlproxy.sessions.threads import system_key
 
 from conftest import TOOL_PROMPT, TOOLS, ServerThread, make_settings, read_records
 

@@ -1,5 +1,5 @@
 """Tools in the prompt of a model whose chat template has no tool support (SmolLM2's), in the
-fallback format of rlproxy/chat_template.py: rendered with the real tokenizers, served by the
+fallback format of rlproxy/serving/chat_template.py: rendered with the real tokenizers, served by the
 real app with the real model, and the model's calls read back as tool calls."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import AutoTokenizer
 
 from rlproxy.appkeys import SESSIONS
-from rlproxy.chat_template import FALLBACK_FORMAT, render_prompt, supports_tools, tool_format
-from rlproxy.completions import ChoiceText
+from rlproxy.serving.chat_template import FALLBACK_FORMAT, render_prompt, supports_tools, tool_format
+from rlproxy.serving.completions import ChoiceText
 
 from conftest import TOOL_PROMPT, TOOL_REPLY, TOOLS, ServerThread, make_settings, read_records
 

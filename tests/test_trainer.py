@@ -16,11 +16,11 @@ import pytest
 import requests
 from mlx.utils import tree_flatten
 
-from rlproxy.checkpoints import complete_checkpoints, latest_checkpoint
-from rlproxy.engine import Engine, Job, SamplingParams
-from rlproxy.model import load_serving_model, lora_weights
+from rlproxy.training.checkpoints import complete_checkpoints, latest_checkpoint
+from rlproxy.serving.engine import Engine, Job, SamplingParams
+from rlproxy.serving.model import load_serving_model, lora_weights
 from rlproxy.settings import ModelSettings
-from rlproxy.trainer import Trainer, training_copy
+from rlproxy.training.trainer import Trainer, training_copy
 from conftest import ServerThread, make_settings, read_records
 
 PROMPT_MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -252,7 +252,7 @@ def test_qlora_trains_lora_over_a_quantized_frozen_base(tmp_path):
 # ---- schedules, entropy and resume ----
 
 def test_learning_rate_schedules_by_hand():
-    from rlproxy.schedule import lr_at
+    from rlproxy.training.schedule import lr_at
     from rlproxy.settings import TrainerSettings
 
     t = TrainerSettings(learning_rate=1e-3, warmup_steps=2, lr_min=1e-4, lr_decay_steps=4,
@@ -372,7 +372,7 @@ def test_an_item_trains_its_own_choice_under_its_key_and_a_baselined_one_keeps_i
 def test_released_turns_rebuilds_every_released_choice(tmp_path):
     import json
 
-    from rlproxy.trainer import released_turns
+    from rlproxy.training.trainer import released_turns
 
     turn = {"uid": "t1", "session_id": "s", "index": 0, "trainable": True, "chosen_choice": 1,
             "prompt_ids": [5, 6], "choices": [
@@ -411,8 +411,8 @@ def test_released_turns_rebuilds_every_released_choice(tmp_path):
 
 def test_trained_keys_are_bounded_once_running_and_the_queue_has_a_cap(own, tmp_path,
                                                                        monkeypatch):
-    import rlproxy.trainer as trainer_module
-    from rlproxy.train_items import KeySet
+    import rlproxy.training.trainer as trainer_module
+    from rlproxy.training.items import KeySet
 
     keys = KeySet(["a", "b", "c"], limit=2)
     assert list(keys) == ["b", "c"] and keys == {"b", "c"} and {"c"} <= keys

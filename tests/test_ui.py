@@ -20,8 +20,8 @@ import requests
 from conftest import ServerThread, make_settings, read_records
 from demo_agent import run_sessions, training_settings, wait_for_steps
 from rlproxy.appkeys import MODEL, SETTINGS, TRAINER
-from rlproxy.demo import REWARD_FUNCTION
-from rlproxy.ui.index import RecordIndex
+from rlproxy.demo.run import REWARD_FUNCTION
+from rlproxy.ops.ui.index import RecordIndex
 
 KEY = "ui-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -143,7 +143,7 @@ def test_a_long_session_opens_on_its_latest_turns_and_pages_back(keyed):
     assert [t["uid"] for t in get("?start=50")["turns"]] == [f"long{i}" for i in range(50, 150)]
     assert requests.get(keyed.url + "/ui/api/sessions/long?start=-1",
                         headers=AUTH).status_code == 400
-    js = (Path(__file__).resolve().parent.parent / "rlproxy" / "ui" / "static" / "app.js")
+    js = (Path(__file__).resolve().parent.parent / "rlproxy" / "ops" / "ui" / "static" / "app.js")
     assert "?start=" in js.read_text()  # the page asks for the other pages
 
 
@@ -169,7 +169,7 @@ def test_status_says_one_line_when_the_server_is_not_rlproxy(tmp_path, capsys):
     import socket
     import threading
 
-    from rlproxy.status import status_cmd
+    from rlproxy.ops.status import status_cmd
 
     class NotJson(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -196,7 +196,7 @@ def test_status_says_one_line_when_the_server_is_not_rlproxy(tmp_path, capsys):
 
 
 def test_pages_insert_recorded_text_as_text_only():
-    static = Path(__file__).resolve().parent.parent / "rlproxy" / "ui" / "static"
+    static = Path(__file__).resolve().parent.parent / "rlproxy" / "ops" / "ui" / "static"
     js = (static / "app.js").read_text()
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
         assert sink not in js, sink
@@ -401,7 +401,7 @@ def test_the_dashboard_in_a_real_browser(trained, tmp_path):
 def test_status_shows_one_screen(trained, capsys):
     import argparse
 
-    from rlproxy.status import status_cmd
+    from rlproxy.ops.status import status_cmd
 
     assert status_cmd(argparse.Namespace(url=trained.url, api_key=None)) == 0
     out = capsys.readouterr().out
@@ -416,7 +416,7 @@ def test_status_shows_one_screen(trained, capsys):
 def test_progress_bars_draw_only_on_a_terminal(monkeypatch):
     import sys
 
-    from rlproxy import progress
+    from rlproxy.ops import progress
 
     assert progress.bar(range(3), desc="x").disable  # pytest's stderr is not a terminal
 
@@ -432,7 +432,7 @@ def test_progress_bars_draw_only_on_a_terminal(monkeypatch):
 
 
 def test_a_rollback_that_times_out_is_withdrawn_and_the_trainer_lives(trained, monkeypatch):
-    from rlproxy import control
+    from rlproxy.api import admin as control
 
     monkeypatch.setattr(control, "ROLLBACK_TIMEOUT_S", 0.0)  # the trainer is never in time
     for _ in range(3):

@@ -15,7 +15,7 @@ from aiohttp import web
 from rlproxy import protocol
 from rlproxy.api.edge import json_body
 from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept, serve_turn
-from rlproxy.completions import EngineFailure
+from rlproxy.serving.completions import EngineFailure
 from rlproxy.protocol import APIError
 from rlproxy.api.tags import parse_turn_tags
 

@@ -1,7 +1,7 @@
 """POST /v1/feedback: an explicit reward for one turn, from the client or a person.
 
 Owns the body (`FeedbackRequest`) and the handler; the session store finds the turn and the
-scorer combines the reward with its own (see scoring.py). Each rule's message is the one this
+scorer combines the reward with its own (see scoring/judging.py). Each rule's message is the one this
 endpoint has always given, whatever pydantic would have said.
 """
 

@@ -21,7 +21,7 @@ from rlproxy.api.edge import json_body, max_json_depth
 from rlproxy.api.messages_input import CountTokensRequest, MessagesRequest, to_chat_request
 from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept, serve_turn
 from rlproxy.appkeys import MODEL
-from rlproxy.completions import EngineFailure, build_prompt
+from rlproxy.serving.completions import EngineFailure, build_prompt
 from rlproxy.protocol import APIError
 from rlproxy.api.tags import parse_turn_tags
 
@@ -31,7 +31,7 @@ PING_INTERVAL_S = 5.0  # a long prompt's prefill takes minutes here; keep the li
 def session_headers(headers):
     """Claude Code names its session in X-Claude-Code-Session-Id (a UUID): read it as the
     session protocol's X-Session-Id, unless the client set that one itself. Its title, probe and
-    sub-agent calls then share the session, and threads (sessions.py) tell them apart."""
+    sub-agent calls then share the session, and threads (sessions/store.py) tell them apart."""
     claude_code = headers.get("X-Claude-Code-Session-Id")
     if claude_code is None or "X-Session-Id" in headers:
         return headers

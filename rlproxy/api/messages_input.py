@@ -4,7 +4,7 @@ Owns Anthropic's request shapes (pydantic, strict like protocol.py; vendor field
 their translation into `protocol.ChatRequest`: `system` (and Claude Code's `system` messages
 between turns) become system messages, `tool_use` blocks an assistant message's `tool_calls`,
 each `tool_result` a `tool` message, `tools[].input_schema` a function's `parameters`. Bad input
-raises APIError(400) naming the offending field (server.py renders it in Anthropic's shape).
+raises APIError(400) naming the offending field (app.py renders it in Anthropic's shape).
 Knows nothing of HTTP, generation or sessions.
 
 Accepted and dropped: the `thinking` config and thinking blocks echoed in the history,

@@ -24,7 +24,7 @@ from rlproxy.api.responses_input import ResponsesRequest, input_messages, to_cha
     tool_namespaces
 from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept, serve_turn
 from rlproxy.appkeys import RESPONSES
-from rlproxy.completions import ChoiceEvent, ChoiceRecord, EngineFailure
+from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure
 from rlproxy.protocol import APIError, shown
 from rlproxy.api.tags import parse_turn_tags
 

@@ -4,7 +4,7 @@ idempotency keys, X-RL-Opt-Out, and their body fallbacks, parsed once into `Turn
 Every value a client sends here is checked before anything is generated; a bad one is a 400 that
 names the header. Ids are matched whole (`fullmatch`: a `$` would let a final newline through,
 and the session id goes back out in the X-Session-Id response header). Knows nothing of
-sessions themselves (sessions.py files the turns).
+sessions themselves (sessions/store.py files the turns).
 """
 
 from __future__ import annotations

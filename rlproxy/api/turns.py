@@ -31,14 +31,14 @@ from typing import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from rlproxy import metrics
+from rlproxy.ops import metrics
 from rlproxy.appkeys import ENGINE, MODEL, SESSIONS, SETTINGS
-from rlproxy.completions import ChoiceEvent, ChoiceRecord, EngineFailure, Generation, Prompt, \
+from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure, Generation, Prompt, \
     build_prompt, sampling_params
-from rlproxy.engine import SamplingParams
+from rlproxy.serving.engine import SamplingParams
 from rlproxy.protocol import APIError, ChatRequest
 from rlproxy.api.tags import TurnTags
-from rlproxy.sessions import Placement, Session, Turn
+from rlproxy.sessions.store import Placement, Session, Turn
 
 LOGPROB_DEFINITION = ("log_softmax(logits) at temperature 1, after logit_bias and penalties, "
                       "before temperature and top_p")

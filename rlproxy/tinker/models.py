@@ -26,10 +26,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from rlproxy import losses
-from rlproxy.checkpoints import STATE, load_checkpoint
-from rlproxy.mlx_threads import mlx_thread
-from rlproxy.model import lora_weights, quantize_base, save_adapter
+from rlproxy.training import losses
+from rlproxy.training.checkpoints import STATE, load_checkpoint
+from rlproxy.serving.mlx_threads import mlx_thread
+from rlproxy.serving.model import lora_weights, quantize_base, save_adapter
 from rlproxy.tinker.wire import UserError
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")

@@ -15,7 +15,7 @@ import asyncio
 from collections import OrderedDict
 from pathlib import Path
 
-from rlproxy.engine import Engine, Job, SamplingParams, asyncio_delivery
+from rlproxy.serving.engine import Engine, Job, SamplingParams, asyncio_delivery
 from rlproxy.tinker import models
 from rlproxy.tinker.wire import UserError
 

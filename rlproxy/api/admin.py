@@ -1,0 +1,165 @@
+"""The operator's actions: serve an older checkpoint (rollback), pause and resume training.
+
+`POST /v1/adapters/{step}/serve`, `POST /v1/training/pause`, `POST /v1/training/resume`, all
+behind the API key; the dashboard's buttons call the same handlers. With the trainer running, a
+rollback is done by the trainer on its own thread (its arrays live there: `Trainer.rollback`),
+which publishes the checkpoint as a new adapter version and trains on from it. With training
+off (`--no-train`) the checkpoint's adapter goes to the engine directly. Either way the action
+is a line in training.jsonl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from rlproxy.api.turns import json_response
+from rlproxy.appkeys import ENGINE, SETTINGS, TRAINER
+from rlproxy.training.checkpoints import complete_checkpoints
+from rlproxy.protocol import APIError, shown
+from rlproxy.records import JsonlWriter, read_jsonl
+
+TRAINING = "training.jsonl"  # trainer.TRAINING
+ROLLBACK_TIMEOUT_S = 300.0  # the trainer finishes the step in progress first
+
+
+def checkpoint_dir(app: web.Application) -> Path:
+    return app[SETTINGS].records.data_dir / "checkpoints"
+
+
+def find_checkpoint(app: web.Application, raw: str) -> Path:
+    if not re.fullmatch(r"[0-9]{1,9}", raw):  # not int(): it takes "²", " 1", "1_0"
+        raise APIError(400, f"step must be an integer, not {shown(raw)}", param="step")
+    step = int(raw)
+    for path in complete_checkpoints(checkpoint_dir(app)):
+        if path.name == f"step_{step:06d}":
+            return path
+    have = [p.name for p in complete_checkpoints(checkpoint_dir(app))]
+    raise APIError(404, f"no complete checkpoint for step {step} (kept: "
+                   f"{', '.join(have) or 'none'}; --keep-checkpoints keeps more)", param="step",
+                   code="checkpoint_not_found")
+
+
+async def wait_served(engine, version: int, timeout_s: float = 30.0) -> None:
+    """Until the engine has applied VERSION (it does so between two decode steps)."""
+    deadline = time.monotonic() + timeout_s
+    while engine.adapter_version < version and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
+async def serve_adapter(request: web.Request) -> web.Response:
+    app = request.app
+    path = find_checkpoint(app, request.match_info["step"])
+    engine, trainer = app[ENGINE], app.get(TRAINER)
+    if trainer is not None:
+        if not trainer.alive:
+            raise APIError(503, f"the trainer is not running: {trainer.error}",
+                           type="server_error")
+        from rlproxy.training.trainer import RollbackSuperseded  # loaded already where training is on
+
+        try:
+            line = await trainer_rollback(trainer, path)
+        except RollbackSuperseded as e:  # a later request won: nothing to report here
+            raise APIError(409, f"{e}; this request was not applied",
+                           code="rollback_superseded") from None
+        except APIError:
+            raise
+        except Exception as e:  # e.g. a checkpoint of another LoRA layout: nothing changed
+            raise unusable(path, e) from None
+    else:
+        try:
+            line = publish_checkpoint(app, path)
+        except Exception as e:
+            raise unusable(path, e) from None
+    await wait_served(engine, line["adapter_version"])
+    return json_response({"object": "adapter.rollback", **line,
+                          "served_version": int(engine.adapter_version)})
+
+
+async def trainer_rollback(trainer, path: Path) -> dict:
+    """The trainer's rollback line. Past the timeout a request the trainer has not taken is
+    withdrawn (503: nothing changed); one it is applying is awaited (that takes moments)."""
+    future = trainer.request_rollback(path)
+    wrapped = asyncio.wrap_future(future)
+    try:  # shield: a timeout must not cancel a rollback the trainer may be applying
+        return await asyncio.wait_for(asyncio.shield(wrapped), ROLLBACK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        if future.cancel():  # only while not taken: the trainer then drops it
+            raise APIError(503, "the trainer did not take the rollback within "
+                           f"{ROLLBACK_TIMEOUT_S:.0f} s (a long step in progress); it was "
+                           "withdrawn and nothing changed: try again",
+                           type="server_error") from None
+    return await wrapped
+
+
+def unusable(path: Path, e: Exception) -> APIError:
+    return APIError(409, f"checkpoint {path.name} cannot be served by this model: "
+                    f"{type(e).__name__}: {e}", code="checkpoint_unusable")
+
+
+def publish_checkpoint(app: web.Application, path: Path) -> dict:
+    """Training is off: hand the checkpoint's adapter to the engine as a new version. Runs on
+    the event loop's thread, where the models were loaded (a small adapter loads in ms)."""
+    import mlx.core as mx
+
+    from rlproxy.training.checkpoints import layout_mismatch
+    from rlproxy.serving.model import lora_weights
+
+    engine = app[ENGINE]
+    weights = mx.load(str(path / "adapters.safetensors"))
+    problem = layout_mismatch(lora_weights(engine.model), weights)  # shapes only: no compute
+    if problem:
+        raise ValueError(f"another model or LoRA layout than this one ({problem})")
+    mx.eval(weights)  # concrete before the engine thread sees it
+    state = json.loads((path / "trainer_state.json").read_text())
+    # the handler waits for it before answering; above every version recorded, so a restarted
+    # server (its engine back at 0) never reuses one that turns and steps already carry
+    version = max(engine.adapter_version, recorded_version(app)) + 1
+    engine.publish_adapter(weights, version)
+    line = {"kind": "rollback", "step": state["step"], "adapter_version": version,
+            "checkpoint": str(path), "checkpoint_step": state["step"],
+            "checkpoint_adapter_version": state["adapter_version"], "training": False,
+            "time": time.time()}
+    writer = JsonlWriter(app[SETTINGS].records.data_dir / TRAINING,
+                         fsync=app[SETTINGS].records.fsync)
+    writer.write(line)
+    writer.close()
+    return line
+
+
+def recorded_version(app: web.Application) -> int:
+    """The highest adapter version training.jsonl and the checkpoints name (0: none)."""
+    data_dir = app[SETTINGS].records.data_dir
+    versions = [ln.get("adapter_version") for ln in read_jsonl(data_dir / TRAINING)]
+    for path in complete_checkpoints(checkpoint_dir(app)):
+        try:
+            versions.append(json.loads((path / "trainer_state.json").read_text())[
+                "adapter_version"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged checkpoint names nothing
+    return max((v for v in versions if isinstance(v, int)), default=0)
+
+
+def the_trainer(app: web.Application):
+    trainer = app.get(TRAINER)
+    if trainer is None:
+        raise APIError(409, "training is off (--no-train): there is nothing to pause or resume",
+                       code="training_off")
+    return trainer
+
+
+async def pause_training(request: web.Request) -> web.Response:
+    trainer = the_trainer(request.app)
+    await asyncio.to_thread(trainer.pause)  # its line is fsynced: not on the event loop
+    return json_response({"object": "training", "paused": True, "step": trainer.step})
+
+
+async def resume_training(request: web.Request) -> web.Response:
+    trainer = the_trainer(request.app)
+    await asyncio.to_thread(trainer.unpause)
+    return json_response({"object": "training", "paused": False, "step": trainer.step})

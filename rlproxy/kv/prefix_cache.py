@@ -1,0 +1,448 @@
+"""The prefix KV store: prompt KV state kept in memory and on disk, found by longest prefix.
+
+Agent prompts are long and mostly repeated (system prompt, tool schemas, the conversation so far),
+so the engine asks this store for the longest stored prefix of each new prompt and prefills only
+the rest. This module owns the entries, the memory tier, a `diskcache` directory
+(`<data_dir>/prefix_cache/`), one writer thread and the counters /healthz shows. It does not own
+the model or the decode loop: serving/engine.py decides when to store, and serving/prefill.py's loader thread
+looks up. Keys, hashes and the byte format are kv/blobs.py, the block index kv/index.py, and
+which adapters' KV may be reused (`--kv-reuse-max-lag`, by ancestry) kv/lineage.py.
+
+- **Entry**: the KV state (every layer's keys and values) of one token sequence, a request's
+  prompt + completion. At a request's end mlx-lm's BatchGenerator holds KV for the prompt and
+  *every* sampled token, the last one included (it runs the forward pass on a token before it
+  returns it; checked against a from-scratch pass), so an entry covers all of `all_tokens`.
+  Namespaced by model identity (id + a sample of the base weights), KV settings and adapter
+  (version + a fingerprint of the LoRA weights, so a restart that reuses a version number with
+  other weights never matches). An entry whose tokens are a prefix of a newer one is dropped:
+  a session keeps one entry that grows turn by turn.
+- **Stale reuse**: a lookup also accepts entries of the N adapters before the one served. An
+  entry is stored under the *oldest* adapter whose KV it holds (the engine says which), so no
+  token's KV is ever more than N versions old: staleness stays bounded instead of compounding.
+- **Lookup** (on the loader thread, never the engine's): the block index ranks the entries of
+  the window by how much of the prompt they share; the best one's namespace is asked of the
+  memory tier, else its blob is read from disk. The KV handed out is trimmed to the exact
+  common prefix, leaving at least one prompt token to prefill, in fresh arrays: a request never
+  shares KV with another or with the store.
+- **Memory tier**: mlx-lm's `LRUPromptCache` (a token trie per namespace, a byte budget,
+  entries superseded by a longer one dropped), holding the KV as mlx-lm caches, quantized when
+  the entry is. Ours stays in front of it: the disk tier and its CRC, and the block index that
+  says which namespace to ask (asking each namespace of the window would deep-copy KV from
+  every one that matches). Entries the index forgets (evicted from disk, or of an adapter past
+  the window) are never asked for and age out of the LRU.
+- **Writes** happen on the writer thread: the engine thread only evaluates the extracted KV
+  (MLX arrays must be evaluated on the thread that built them) and queues it; quantization,
+  serialization, hashing, disk IO and the memory tier run there. A full queue drops the write,
+  never blocks decode. Until the writer has stored it, a queued write serves lookups from its
+  own arrays, so an agent's next request that arrives within milliseconds still hits. The
+  engine thread and `counters` never wait for a lookup: they share only a short-held lock.
+- **Integrity**: each blob carries a magic, its length and a CRC-32; a truncated or altered
+  entry (e.g. after a crash) is counted, deleted and never served.
+- **Eviction**: the disk budget covers the entries plus diskcache's SQLite file (not its WAL).
+  Each disk entry is tagged with its namespace; publishing adapter version v evicts the tags of
+  versions older than v - N (never served again: diskcache's `evict(tag)`). Under budget
+  pressure entries outside the window go first, then the least recently written or read, one at
+  a time (diskcache's `cull` deletes ten at once). One server per data directory.
+- **KV quantization** (`--kv-bits`, `--kv-group-size`, `--quantized-kv-start`) applies to
+  *stored entries only*: entries of at least `quantized_kv_start` tokens are kept quantized in
+  memory and on disk (4-8x smaller) and dequantized on restore, so their output is close to,
+  not equal to, output from scratch. Live decoding always keeps full-precision KV: mlx-lm 0.32's
+  BatchGenerator has no kv_bits option and cannot batch a QuantizedKVCache (no `merge`).
+- Models whose cache layers are not all plain `KVCache` (sliding windows, SSM state) are not
+  cached; /healthz says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import queue
+import threading
+from pathlib import Path
+
+import diskcache
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
+
+from rlproxy.kv.blobs import (
+    FORMAT, CorruptEntry, Entry, block_hashes, common_prefix, digest, end_hash, fresh_kv,
+    model_key, pack, to_caches, unpack,
+)
+from rlproxy.kv.index import BlockIndex
+from rlproxy.kv.lineage import Lineage
+from rlproxy.serving.mlx_threads import mlx_thread
+from rlproxy.settings import CacheSettings
+
+log = logging.getLogger("rlproxy.prefix_cache")
+
+MAX_ENDS = 32  # turn boundaries remembered per entry
+MAX_PENDING = 8  # queued writes hold KV arrays in memory; past this a write is dropped
+CANDIDATES = 3  # entries tried per lookup when the best ones turn out corrupt or gone
+LIVE_KV = ("full precision: mlx-lm's BatchGenerator has no kv_bits and cannot batch a "
+           "QuantizedKVCache, so --kv-bits applies to stored entries only")
+
+
+class PrefixCache:
+    """Thread use: `set_adapter` and `put` on the engine thread, `fetch` on the loader thread,
+    `counters` anywhere; everything that writes runs on the store's own writer thread."""
+
+    def __init__(self, directory: str | Path, settings: CacheSettings, model_identity: str,
+                 unsupported: str | None = None):
+        self.directory = Path(directory)
+        self.block = settings.prefix_block_tokens
+        self.quant = [settings.kv_group_size, settings.kv_bits] if settings.kv_bits else None
+        self.quantized_kv_start = settings.quantized_kv_start
+        start = self.quantized_kv_start if self.quant else 0
+        kv = json.dumps({"quant": self.quant, "start": start})
+        self.base = digest(model_identity.encode(), kv.encode(), person=b"base")
+        self.unsupported = unsupported
+        self.disk_limit = int(settings.prefix_cache_disk_limit_gb * 1024**3)
+        self.memory_limit = int(settings.prefix_cache_memory_mb * 1024**2)
+        self.max_lag = settings.kv_reuse_max_lag
+        self._lineage = Lineage(self.directory, self.base, self.max_lag)
+        self._lock = threading.Lock()  # index and memory tier: lookups and the writer
+        self._small = threading.Lock()  # counters and queued writes: never held for long
+        self._index = BlockIndex(self.block)
+        self._memory = LRUPromptCache(max_size=1 << 30, max_bytes=self.memory_limit)
+        self._pending: dict[int, tuple[str, int, np.ndarray, list]] = {}  # queued writes
+        self._write_ids = itertools.count()
+        self.stats = dict.fromkeys(
+            ["lookups", "hits", "memory_hits", "disk_hits", "misses", "cached_tokens",
+             "hits_stale", "cached_tokens_stale", "stores", "dropped_writes",
+             "not_stored_stale", "corrupt", "evicted_stale", "evicted_budget",
+             "bytes_written", "bytes_read", "errors"], 0)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._disk = diskcache.Cache(
+            str(self.directory), size_limit=self.disk_limit, cull_limit=0,  # we cull, after
+            eviction_policy="least-recently-used", disk_min_file_size=0,  # every entry a file
+            tag_index=True,  # evict(tag): a namespace's entries at once
+        )
+        self._disk_bytes = self._disk.volume()
+        self._scan()
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="rlproxy-prefix-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    @property
+    def version(self) -> int:
+        return self._lineage.served[0]
+
+    def served(self) -> tuple[int, str | None]:
+        """(version, namespace) of the adapter served now."""
+        return self._lineage.served[:2]
+
+    def window(self) -> list[tuple[int, str]]:
+        """The (version, namespace) pairs whose KV may be reused now, newest first."""
+        return self._lineage.served[2]
+
+    # ---- engine thread ----
+
+    def set_adapter(self, version: int, fingerprint: str) -> None:
+        """The engine now serves this adapter: look up under it and the N before it."""
+        self._lineage.set_adapter(version, fingerprint)
+        self._queue.put(("stale", version))
+
+    def reset_lineage(self, version: int) -> None:
+        """VERSION, about to be published, is not a training step from the adapter served now
+        (a rollback to an old checkpoint): KV from the versions before it must not be reused
+        under it. Any thread; call it before publishing."""
+        self._lineage.reset(version)
+
+    def put(self, tokens: list[int], cache: list, ends: list[int],
+            source: tuple[int, str]) -> None:
+        """Queue a finished request's KV (covering exactly `tokens`) for storing under `source`,
+        the oldest adapter that computed any of it (from `fetch`); `ends` are its turn
+        boundaries (prompt end, completion end). KV older than the window is not stored."""
+        if self.unsupported or self._lineage.served[1] is None or len(tokens) < 2:
+            return
+        if source not in self.window():  # an adapter swap outran it by more than N versions
+            self._count(not_stored_stale=1)
+            return
+        if self._queue.qsize() >= MAX_PENDING:
+            self._count(dropped_writes=1)
+            return
+        n = len(tokens)
+        if any(c.offset != n for c in cache):
+            log.warning("KV length %s != %d tokens: not stored", [c.offset for c in cache], n)
+            self._count(errors=1)
+            return
+        arrays = []
+        for c in cache:
+            for a in (c.keys, c.values):
+                arrays.append(a if a.shape[2] == n else mx.contiguous(a[..., :n, :]))
+        mx.eval(arrays)  # here, on the thread that built them; the writer only reads them
+        write_id, tokens = next(self._write_ids), np.asarray(tokens, np.int32)
+        version, ns = source
+        with self._small:
+            self._pending[write_id] = (ns, version, tokens, arrays)
+        self._queue.put(("put", write_id, ns, version, tokens, arrays, ends))
+
+    # ---- loader thread ----
+
+    def fetch(self, prompt: list[int]) -> tuple[list[KVCache] | None, int, tuple[int, str]]:
+        """(a fresh cache holding the longest stored prefix of prompt, its length, source):
+        source is (version, namespace) of the adapter that computed that KV, or of the one
+        served on a miss; hand it back to `put`. At least one prompt token is left to prefill.
+        Among the window's versions the longest prefix wins, the newest on a tie. The arrays
+        are lazy: evaluate them on the calling thread."""
+        version, ns, window = self._lineage.served
+        if self.unsupported or ns is None or len(prompt) < 2:
+            return None, 0, (version, ns)
+        try:
+            return self._fetch(np.asarray(prompt, dtype=np.int32), window)
+        except Exception:  # a bug here costs speed, never the request
+            log.exception("prefix cache lookup failed")
+            self._count(errors=1, misses=1)
+            return None, 0, (version, ns)
+
+    def _fetch(self, prompt: np.ndarray, window: list):
+        hashes = {ns: block_hashes(ns, prompt, self.block) for _, ns in window}
+        with self._lock:
+            ranked = sorted(((score, version, seq, key, ns) for version, ns in window
+                             for score, seq, key in self._index.rank(ns, prompt, hashes[ns])),
+                            reverse=True)  # longest first, then newest version, then recency
+        with self._small:
+            self.stats["lookups"] += 1
+            queued = [(common_prefix(t, prompt), version, q_ns, t, arrays)
+                      for q_ns, version, t, arrays in self._pending.values()
+                      if (version, q_ns) in window]
+        best = max(queued, key=lambda q: q[:2], default=None)
+        if best is not None and best[0] >= 1 and best[:2] >= (ranked[0][:2] if ranked else (0,)):
+            n, version, ns, tokens, arrays = min(best[0], len(prompt) - 1), *best[1:]
+            if n >= 1:
+                self._count_hit(n, version, window, memory_hits=1)
+                return fresh_kv(to_caches(None, arrays, len(tokens)), n), n, (version, ns)
+        for score, version, _seq, key, ns in ranked[:CANDIDATES]:
+            found = self._from_memory(ns, prompt, score) or self._from_disk(key, ns, prompt)
+            if found is not None:
+                n, cache = found
+                self._count_hit(n, version, window)
+                return cache, n, (version, ns)
+        self._count(misses=1)
+        return None, 0, window[0]
+
+    def _from_memory(self, ns: str, prompt: np.ndarray, score: int):
+        """(n, KV) from the memory tier if it holds at least SCORE tokens of prompt in ns."""
+        with self._lock:  # LRUPromptCache hands out a deep copy, trimmed to the common prefix
+            cache, rest = self._memory.fetch_nearest_cache(ns, prompt.tolist())
+        n = min(len(prompt) - len(rest), len(prompt) - 1)  # it leaves one only when it must
+        if cache is None or n < max(min(score, len(prompt) - 1), 1):
+            return None
+        self._count(memory_hits=1)
+        return n, fresh_kv(cache, n)
+
+    def _from_disk(self, key: str, ns: str, prompt: np.ndarray):
+        blob = self._disk.get(key)
+        if blob is None:  # culled or deleted behind the index's back
+            with self._lock:
+                self._index.drop(key)
+            return None
+        try:
+            tokens, meta, arrays = unpack(blob, verify=True)
+            if meta["ns"] != ns or len(tokens) != Entry.parse(key).length:
+                raise CorruptEntry("header does not match its key")
+        except CorruptEntry as e:
+            log.warning("prefix cache entry ignored and deleted: %s", e)
+            self._count(corrupt=1)
+            with self._lock:
+                self._index.drop(key)
+            self._queue.put(("delete", key))
+            return None
+        self._count(disk_hits=1, bytes_read=len(blob))
+        with self._lock:
+            if key in self._index.entries:  # recently used: the budget keeps it longer
+                self._index.touch(self._index.entries[key])
+        caches = to_caches(meta["quant"], arrays, len(tokens))
+        self._remember(ns, tokens, caches)  # the next turn of this session finds it in memory
+        n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+        return (n, fresh_kv(caches, n)) if n >= 1 else None
+
+    def _count_hit(self, n: int, version: int, window: list, **more) -> None:
+        stale = {"hits_stale": 1, "cached_tokens_stale": n} if version != window[0][0] else {}
+        self._count(hits=1, cached_tokens=n, **stale, **more)
+
+    # ---- writer thread ----
+
+    def _write_loop(self) -> None:
+        with mlx_thread():
+            while True:
+                item = self._queue.get()
+                try:
+                    if item is None:
+                        break
+                    if item[0] == "put":
+                        self._write(*item[2:])
+                    elif item[0] == "stale":
+                        self._evict_versions(item[1])
+                        self._lineage.save()
+                    elif item[0] == "delete":
+                        self._disk.delete(item[1])
+                except Exception:
+                    log.exception("prefix cache write failed")
+                    self._count(errors=1)
+                finally:
+                    if item is not None and item[0] == "put":
+                        with self._small:
+                            self._pending.pop(item[1], None)  # stored now, or failed
+                    item = None  # free the KV arrays here, not while waiting for the next item
+                    self._queue.task_done()
+            self._disk.close()  # this thread's SQLite connection
+
+    def _write(self, ns: str, version: int, tokens: np.ndarray, arrays: list, ends) -> None:
+        n = len(tokens)
+        quant = self.quant if self.quant and n >= self.quantized_kv_start else None
+        if quant:
+            arrays = [q for a in arrays for q in mx.quantize(a, group_size=quant[0], bits=quant[1])]
+            mx.eval(arrays)
+        blob = pack(tokens, arrays, {"format": FORMAT, "ns": ns, "version": version,
+                                     "length": n, "quant": quant})
+        caches, arrays = to_caches(quant, arrays, n), None
+        hashes = block_hashes(ns, tokens, self.block)
+        with self._lock:  # entries this one extends are superseded; keep their boundaries
+            older = self._index.superseded(ns, tokens, hashes)
+        lengths = {x for x in ends if 0 < x <= n} | {n}
+        lengths |= {x for e in older for x, _ in e.ends}
+        entry = Entry(self.base, version, ns, n, len(blob), tuple(hashes[1:]),
+                      tuple((x, end_hash(hashes, tokens, self.block, x))
+                            for x in sorted(lengths)[-MAX_ENDS:]))
+        key = entry.key
+        on_disk = len(blob) + 64 * 1024 <= self.disk_limit  # else larger than the whole budget
+        if on_disk:
+            self._make_room(len(blob))
+            self._disk.set(key, blob, tag=ns)
+        with self._lock:
+            self._index.add(entry, memory_only=not on_disk)
+            for e in older:
+                if e.key != key:
+                    self._index.drop(e.key)
+        self._remember(ns, tokens, caches)  # its prefixes leave the memory tier with it
+        self._count(stores=1, bytes_written=len(blob) if on_disk else 0)
+        for e in older:
+            if e.key != key:
+                self._disk.delete(e.key)
+        if on_disk:
+            culled = self._disk.cull()
+            if culled:
+                self._count(evicted_budget=culled)
+                self._forget_missing()
+        self._disk_bytes = self._disk.volume()
+
+    def _remember(self, ns: str, tokens: np.ndarray, caches: list) -> None:
+        if sum(c.nbytes for c in caches) <= self.memory_limit:  # else it would evict it all
+            with self._lock:
+                self._memory.insert_cache(ns, tokens.tolist(), caches)
+
+    def _make_room(self, size: int) -> None:
+        """Entries outside the window (other adapters, models or KV settings) go first, then
+        the least recently used, one at a time: diskcache's own cull deletes ten at once, which
+        under a small budget empties the store."""
+        if self._disk.volume() + size <= self.disk_limit:
+            return
+        servable = {ns for _, ns in self.window()}
+        with self._lock:
+            order = self._index.eviction_order(servable)
+        for e in order:
+            self._disk.delete(e.key)
+            with self._lock:
+                self._index.drop(e.key)
+            self._count(**{"evicted_budget" if e.ns in servable else "evicted_stale": 1})
+            if self._disk.volume() + size <= self.disk_limit:
+                return
+
+    def _evict_versions(self, version: int) -> None:
+        """Versions older than the window of the one now served (v - N) are never served
+        again: evict their namespaces' tags."""
+        oldest = version - self.max_lag
+        with self._lock:
+            old = self._index.older_than(self.base, oldest)
+            for e in old:
+                self._index.drop(e.key)
+        self._count(evicted_stale=len(old))
+        for ns in {e.ns for e in old}:
+            self._disk.evict(ns)
+        self._disk_bytes = self._disk.volume()
+
+    def _forget_missing(self) -> None:
+        on_disk = set(self._disk.iterkeys())
+        with self._lock:
+            self._index.forget_missing(on_disk)
+
+    def _scan(self) -> None:
+        for key in list(self._disk.iterkeys()):
+            entry = Entry.parse(key)
+            if entry is None:
+                self._disk.delete(key)  # not ours, or an older format
+            else:
+                self._index.add(entry)
+
+    def _count(self, **deltas) -> None:
+        with self._small:
+            for name, d in deltas.items():
+                self.stats[name] += d
+
+    # ---- any thread ----
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk (tests, benchmarks, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(timeout=120)
+        self._disk.close()
+
+    def counters(self) -> dict:
+        """Never waits for a lookup or a write (the event loop calls it)."""
+        with self._small:
+            out = dict(self.stats)
+        out.update(
+            entries=len(self._index.entries),
+            memory_entries=len(self._memory),
+            memory_bytes=self._memory.nbytes,
+            entries_by_version=self._index.versions(self.base),
+            enabled=self.unsupported is None,
+            reason=self.unsupported,
+            directory=str(self.directory),
+            adapter_version=self.version,
+            kv_reuse_max_lag=self.max_lag,
+            servable_versions=[v for v, _ in self.window()],  # entries of these may be reused
+            disk_bytes=self._disk_bytes,
+            disk_limit_bytes=self.disk_limit,
+            memory_limit_bytes=self.memory_limit,
+            block_tokens=self.block,
+            pending_writes=self._queue.qsize(),
+            kv_quantization={
+                "stored_entries": None if self.quant is None else {
+                    "bits": self.quant[1], "group_size": self.quant[0],
+                    "quantized_kv_start": self.quantized_kv_start},
+                "live_decoding": LIVE_KV},
+        )
+        return out
+
+
+def open_prefix_cache(directory: str | Path, settings: CacheSettings, model: nn.Module,
+                      model_id: str) -> PrefixCache:
+    """The store for this model, checked against it. Runs a little MLX work (a digest of the
+    weights, a probe when quantizing): call it where the model was loaded, before the engine
+    thread starts."""
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+    unsupported = None
+    if kinds != ["KVCache"]:
+        unsupported = f"the model's cache layers are {kinds}; only KVCache layers are stored"
+    elif settings.kv_bits:
+        probe = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=probe)
+        try:
+            mx.eval([mx.quantize(a, group_size=settings.kv_group_size, bits=settings.kv_bits)
+                     for a in (probe[0].keys, probe[0].values)])
+        except ValueError as e:
+            raise ValueError(
+                f"--kv-bits {settings.kv_bits} --kv-group-size {settings.kv_group_size} cannot "
+                f"quantize this model's KV (head dim {probe[0].keys.shape[-1]}): {e}. Choose a "
+                "--kv-group-size that divides the head dim (32, 64 or 128)") from None
+    return PrefixCache(directory, settings, model_key(model, model_id), unsupported)

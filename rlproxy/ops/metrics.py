@@ -1,0 +1,296 @@
+"""Prometheus metrics: `GET /metrics`, and the observation points the loop calls.
+
+Two kinds of metric. Counters and gauges that some object already keeps (engine.stats, the
+prefix cache's counters, scorer.stats, trainer.stats, the session store) are read from that live
+state at scrape time by `LiveCollector`, so those modules need no hooks. What only a moment
+knows (a request's time to first token, a judge call's latency, a step's loss, a swap's pause)
+is observed by the one-line `observe_*` calls below, made from api/turns.py, scoring/scorer.py,
+training/trainer.py and serving/engine.py. Those are process-wide objects (one server per process); each app's
+registry exposes them beside its own live collector.
+
+Owns nothing else: no state of the loop lives here, and nothing here touches MLX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections import deque
+import os
+import sys
+import time
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from rlproxy.api.tags import valid_session_id
+
+# Read by the JSON log format (ops/logs.py): what the current request or the served adapter is.
+SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("session_id",
+                                                                       default=None)
+TURN_UID: contextvars.ContextVar[str | None] = contextvars.ContextVar("turn_uid", default=None)
+served = {"adapter_version": 0}
+recent_ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, seconds): the dashboard
+
+LATENCY_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+PER_TOKEN_BUCKETS = (.001, .0025, .005, .01, .02, .04, .08, .16, .32, .64, 1.28)
+REWARD_BUCKETS = (-1, -.75, -.5, -.25, 0, .25, .5, .75, 1)
+
+REQUESTS = Counter("rlproxy_requests", "HTTP requests answered, by API and status code",
+                   ["api", "status"], registry=None)
+TURNS = Counter("rlproxy_turns", "Model calls served, by API and turn type (main, side, "
+                "opt_out)", ["api", "turn_type"], registry=None)
+PROMPT_TOKENS = Counter("rlproxy_prompt_tokens", "Prompt tokens of served model calls",
+                        registry=None)
+CACHED_PROMPT_TOKENS = Counter("rlproxy_cached_prompt_tokens", "Prompt tokens whose KV came "
+                               "from the prefix cache instead of prefill", registry=None)
+COMPLETION_TOKENS = Counter("rlproxy_completion_tokens", "Completion tokens generated",
+                            registry=None)
+TTFT = Histogram("rlproxy_time_to_first_token_seconds", "Time from request to first token",
+                 ["api"], buckets=LATENCY_BUCKETS, registry=None)
+E2E = Histogram("rlproxy_e2e_request_latency_seconds", "Time from request to last token",
+                ["api"], buckets=LATENCY_BUCKETS, registry=None)
+TPOT = Histogram("rlproxy_time_per_output_token_seconds", "Decode time per output token after "
+                 "the first", ["api"], buckets=PER_TOKEN_BUCKETS, registry=None)
+JUDGE_CALLS = Counter("rlproxy_judge_calls", "Judge calls made (one per vote or hint)",
+                      registry=None)
+JUDGE_FAILURES = Counter("rlproxy_judge_failures", "Judge calls that failed", registry=None)
+JUDGE_LATENCY = Histogram("rlproxy_judge_latency_seconds", "Time to score one turn (all its "
+                          "judge calls)", buckets=LATENCY_BUCKETS, registry=None)
+REWARD = Histogram("rlproxy_reward", "Reward of each scored turn when it was scored, and again "
+                   "when /v1/feedback changes it",
+                   buckets=REWARD_BUCKETS, registry=None)
+STEP_TIME = Histogram("rlproxy_train_step_seconds", "Wall time of one optimizer step",
+                      buckets=LATENCY_BUCKETS, registry=None)
+LOSS = Gauge("rlproxy_train_loss", "Loss of the last optimizer step", registry=None)
+KL = Gauge("rlproxy_train_kl", "Mean KL to the base model per token, last step", registry=None)
+GRAD_NORM = Gauge("rlproxy_train_grad_norm", "Gradient norm of the last step (before clipping)",
+                  registry=None)
+REWARD_MEAN = Gauge("rlproxy_train_reward_mean", "Mean reward of the last step's turns",
+                    registry=None)
+SWAP_PAUSE = Histogram("rlproxy_adapter_swap_pause_seconds", "Decoding paused to apply a new "
+                       "adapter", buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025,
+                                           .05, .1, .25), registry=None)
+OBSERVED = (REQUESTS, TURNS, PROMPT_TOKENS, CACHED_PROMPT_TOKENS, COMPLETION_TOKENS, TTFT, E2E,
+            TPOT, JUDGE_CALLS, JUDGE_FAILURES, JUDGE_LATENCY, REWARD, STEP_TIME, LOSS, KL,
+            GRAD_NORM, REWARD_MEAN, SWAP_PAUSE)
+
+
+# ---- observation points (one-line calls from the loop) ----
+
+def observe_call(call) -> None:
+    """A model call ended (api/turns.py `serve_turn`); never raises into the request."""
+    try:
+        gen, api = call.gen, call.api
+        turn_type = (call.turn.turn_type if call.turn is not None
+                     else "opt_out" if call.place is None else "unfinished")
+        TURNS.labels(api, turn_type).inc()
+        if call.turn is not None:
+            TURN_UID.set(call.turn.uid)
+        PROMPT_TOKENS.inc(len(call.prompt.ids))
+        CACHED_PROMPT_TOKENS.inc(min((r.cached_tokens for r in gen.records), default=0))
+        n = sum(len(r.completion_ids) for r in gen.records)
+        COMPLETION_TOKENS.inc(n)
+        if gen.first_token_at is None:
+            return
+        now = time.time()
+        TTFT.labels(api).observe(gen.first_token_at - gen.started)
+        recent_ttft.append((now, gen.first_token_at - gen.started))
+        E2E.labels(api).observe(now - gen.started)
+        per_choice = max((len(r.completion_ids) for r in gen.records), default=0)
+        if per_choice > 1:
+            TPOT.labels(api).observe((now - gen.first_token_at) / (per_choice - 1))
+    except Exception:  # a metric must never fail a request
+        pass
+
+
+def observe_score(line: dict) -> None:
+    """A turn was scored (scoring/scorer.py): its judge calls, latency and reward."""
+    votes = line.get("votes") or []
+    JUDGE_CALLS.inc(len(votes))
+    JUDGE_FAILURES.inc(sum(1 for v in votes if v.get("error")))
+    if votes or line.get("hint") is not None:
+        JUDGE_LATENCY.observe(line.get("judge_latency_s") or 0.0)
+    if line.get("reward") is not None:
+        REWARD.observe(line["reward"])
+
+
+def observe_train_step(line: dict) -> None:
+    """One optimizer step's line for training.jsonl (training/trainer.py)."""
+    STEP_TIME.observe(line["step_time_s"])
+    LOSS.set(line["loss"])
+    KL.set(line["kl"])
+    GRAD_NORM.set(line["grad_norm"])
+    if line.get("reward_mean") is not None:
+        REWARD_MEAN.set(line["reward_mean"])
+
+
+def observe_swap(seconds: float, version: int) -> None:
+    """The engine applied adapter VERSION, pausing decoding for SECONDS (serving/engine.py)."""
+    SWAP_PAUSE.observe(seconds)
+    served["adapter_version"] = version
+
+
+# ---- state read at scrape time ----
+
+def resident_bytes() -> int | None:
+    try:  # Linux: the second field of statm is resident pages
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource  # macOS: peak, the closest figure without psutil
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+class LiveCollector:
+    """Counters and gauges of one app, read from the objects that keep them."""
+
+    def __init__(self, app: web.Application):
+        self.app = app
+
+    def collect(self):
+        from rlproxy.appkeys import ENGINE, MODEL, SCORER, SESSIONS, TRAINER
+
+        app = self.app
+
+        def gauge(name, doc, value, **labels):
+            g = GaugeMetricFamily(name, doc, labels=list(labels))
+            g.add_metric(list(labels.values()), float(value))
+            return g
+
+        def counter(name, doc, value):
+            return CounterMetricFamily(name, doc, value=float(value))
+
+        from rlproxy.api.edge import ADMISSION
+
+        gate = app.get(ADMISSION)
+        if gate is not None:
+            yield gauge("rlproxy_requests_admitted", "Generation requests running or waiting "
+                        "(past --max-queued-requests a request gets 429)", gate.admitted)
+        info = GaugeMetricFamily("rlproxy_info", "The served model", labels=["model"])
+        info.add_metric([app[MODEL].model_id], 1)
+        yield info
+        engine = app[ENGINE]
+        yield gauge("rlproxy_adapter_version", "Adapter version being served",
+                    engine.adapter_version)
+        yield counter("rlproxy_adapter_swaps", "Adapters applied by the engine",
+                      engine.stats["swaps"])
+        yield gauge("rlproxy_running_requests", "Sequences in the decode batch",
+                    engine.stats["active"])
+        yield counter("rlproxy_decode_steps", "Batched decode steps", engine.stats["steps"])
+        yield from prefix_cache_metrics(engine.prefix_cache)
+        store = app.get(SESSIONS)
+        if store is not None:
+            yield gauge("rlproxy_sessions_open", "Open sessions", len(store.open))
+            yield gauge("rlproxy_turns_awaiting_next_state", "Main turns waiting for the "
+                        "session's next request", sum(len(s.pending())
+                                                      for s in list(store.open.values())))
+        scorer = app.get(SCORER)
+        if scorer is not None:
+            s = scorer.stats
+            yield counter("rlproxy_turns_scored", "Turns scored", s["scored"])
+            yield counter("rlproxy_turns_released", "Scored turns released to training",
+                          s["released"])
+            yield gauge("rlproxy_turns_waiting_judge", "Turns waiting out a judge outage",
+                        s["waiting"])
+            yield counter("rlproxy_judge_outages", "Turns deferred because no judge answered",
+                          s["outages"])
+            yield gauge("rlproxy_scoring_pending", "Turns submitted and not scored yet",
+                        scorer.pending)
+        trainer = app.get(TRAINER)
+        yield gauge("rlproxy_trainer_up", "1 while the trainer thread runs (0: off or died)",
+                    int(trainer is not None and trainer.alive and trainer.error is None))
+        if trainer is not None:
+            yield counter("rlproxy_train_steps", "Optimizer steps taken by this process "
+                          "(not rollbacks)", trainer.stats["optimizer_steps"])
+            yield counter("rlproxy_turns_trained", "Turns trained on",
+                          trainer.stats["turns_trained"])
+            yield counter("rlproxy_train_turns_skipped", "Turns skipped (too long, too big)",
+                          trainer.stats["skipped"])
+            yield gauge("rlproxy_train_turns_quarantined", "Turns whose steps kept failing",
+                        len(trainer.journal.quarantined))
+            yield gauge("rlproxy_train_queue_depth", "Scored turns waiting for the trainer",
+                        trainer.inbox.qsize())
+            yield gauge("rlproxy_training_paused", "1 while training is paused",
+                        int(trainer.paused))
+        rss = resident_bytes()
+        if rss is not None:
+            yield gauge("rlproxy_process_resident_memory_bytes", "Resident memory", rss)
+
+
+def prefix_cache_metrics(cache):
+    if cache is None:
+        return
+    c = cache.counters()
+
+    def counter(name, doc, value):
+        return CounterMetricFamily(name, doc, value=float(value))
+
+    yield counter("rlproxy_prefix_cache_lookups", "Prefix cache lookups", c["lookups"])
+    yield counter("rlproxy_prefix_cache_hits", "Lookups that restored a prefix", c["hits"])
+    yield counter("rlproxy_prefix_cache_misses", "Lookups that found nothing", c["misses"])
+    yield counter("rlproxy_prefix_cache_stores", "Entries written", c["stores"])
+    size = GaugeMetricFamily("rlproxy_prefix_cache_bytes", "Bytes held", labels=["tier"])
+    size.add_metric(["disk"], c["disk_bytes"])
+    size.add_metric(["memory"], c["memory_bytes"])
+    yield size
+    evicted = CounterMetricFamily("rlproxy_prefix_cache_evictions", "Entries evicted, by "
+                                  "reason (stale: adapter left the reuse window; budget: "
+                                  "disk limit)", labels=["reason"])
+    evicted.add_metric(["stale"], c["evicted_stale"])
+    evicted.add_metric(["budget"], c["evicted_budget"])
+    yield evicted
+
+
+# ---- wiring ----
+
+def api_of(path: str) -> str:
+    """A low-cardinality label for a request path."""
+    for prefix, name in (("/v1/chat/", "chat"), ("/v1/responses", "responses"),
+                         ("/v1/messages", "messages"), ("/v1/models", "models"),
+                         ("/v1/sessions", "sessions"), ("/v1/feedback", "feedback"),
+                         ("/v1/adapters", "control"), ("/v1/training", "control"),
+                         ("/ui", "ui"), ("/metrics", "metrics"), ("/healthz", "healthz")):
+        if path.startswith(prefix):
+            return name
+    return "other"
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler):
+    """Outermost: counts every answer by API and status, after errors became responses."""
+    sid = request.headers.get("X-Session-Id")
+    SESSION_ID.set(sid if valid_session_id(sid) else None)  # log lines carry checked ids only
+    TURN_UID.set(None)
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away (nginx's code): not a server error
+        raise
+    finally:
+        REQUESTS.labels(api_of(request.path), str(status)).inc()
+
+
+def make_registry(app: web.Application) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LiveCollector(app))
+    for metric in OBSERVED:
+        registry.register(metric)
+    return registry
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    from rlproxy.appkeys import METRICS
+
+    return web.Response(body=generate_latest(request.app[METRICS]),
+                        headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})

@@ -1,0 +1,277 @@
+"""Scoring math and prompts: judge prompts from a turn, vote parsing, majority, hints, rewards,
+per-token advantages, the at-least-one rule. Pure functions only: no I/O, no models, no asyncio
+(the Scorer in scoring/scorer.py runs them against judge backends and writes the records).
+
+Reward of a turn (documented in the README):
+  judge reward r_j = majority of valid votes (tie or no valid vote -> 0); turns without a next
+  state are not judged. Explicit feedback r_e (POST /v1/feedback) and reward functions r_f
+  (first non-None) combine with it: "override" takes the first present of r_e, r_f, r_j;
+  "add" sums those present and clips to [-1, 1].
+Per-token advantage (combine): A_t = w_opd * (teacher_lp_t - behaviour_lp_t) + w_rl * a, where
+the OPD term is exactly 0 for a turn without teacher log-probs and the RL term 0 without reward.
+a = r for a lone choice (the trainer may then subtract its running mean), and for a request with
+n > 1 whose scored choices number 2 or more, the group-relative advantage, over the choices with
+a reward (std: the sample std, n - 1, as TRL's GRPO):
+  baseline "group"                  a_i = r_i - mean(group)          (Dr. GRPO: no division)
+  any other baseline (the default)  a_i = (r_i - mean(group)) / max(std(group), group_std_floor)
+The divided form is the default because it learned at least as well on SmolLM2: in one side by
+side bench/learn.py run (4 choices, lr 3e-5, 10 training minutes each) it ended at +0.48 sampled
+held-out reward against +0.34 for Dr. GRPO, from -0.63 (intervals overlapping at every point).
+A group whose rewards are all equal gives every choice exactly 0 (the trainer takes no step on a
+batch of such). The floor (default STD_FLOOR = 0.1, 5% of the [-1, 1] reward range) keeps a
+near-identical group from being blown up to full-size advantages: dividing by std + 1e-4, as
+TRL does, turned a spread of 0.008 into advantages of order 1, and a group of such replies
+degenerated; with the floor a spread below 0.1 gives advantages proportionally below 1 (at
+most spread / 0.1 in size).
+
+Choices of an n > 1 request that the conversation did not continue from have no next state of
+their own; each is scored against the chosen choice's next state (the user's reply or tool
+result to that one), or not at all:
+  reward functions  every choice, always (they receive the choice);
+  PRM judge         every choice with --score-all-choices (m votes each), else the chosen only;
+  OPD               the one hint (written from the chosen choice's next state) is applied to
+                    every choice's tokens with --score-all-choices, else the chosen only;
+  feedback          the chosen choice only (it is about the reply the user saw);
+  at-least-one      lifts the chosen choice only. A turn's choices are released together, when
+                    its chosen choice is, and the group baseline is over the rewards released
+                    (a lifted +1 included); feedback re-releases the chosen choice alone, against
+                    the same group.
+A choice with neither a reward nor teacher log-probs is not released.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import Counter
+from pathlib import Path
+
+BOXED = re.compile(r"\\boxed\{\s*([+-]?\d+)\s*\}")
+HINT = re.compile(r"\[HINT_START\](.*?)\[HINT_END\]", re.S)
+
+
+def load_prompts(folder: Path) -> dict[str, str]:
+    folder = Path(folder)
+    prompts = {}
+    for name in ("judge", "hint"):
+        path = folder / f"{name}.txt"
+        if not path.exists():
+            raise ValueError(f"missing judge prompt {path}; point --prm-prompts at a folder "
+                             "with judge.txt and hint.txt")
+        prompts[name] = path.read_text()
+    return prompts
+
+
+def trim_middle(text: str, limit: int) -> str:
+    """Keep the start and the end: requests put the task first and the latest detail last."""
+    if len(text) <= limit:
+        return text
+    half = (limit - 20) // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters trimmed ...]\n{text[-half:]}"
+
+
+def user_request(messages: list[dict], limit: int) -> str:
+    last = next((m for m in reversed(messages) if m["role"] == "user"), None)
+    return trim_middle((last or {}).get("content") or "(no user message)", limit)
+
+
+def assistant_output(choice: dict) -> str:
+    parts = [choice["text"]] if choice["text"] else []
+    for call in choice["tool_calls"]:
+        parts.append(f"[tool call] {call['function']['name']}({call['function']['arguments']})")
+    return "\n".join(parts) or "(empty output)"
+
+
+def render_next_state(messages: list[dict], limit: int) -> str:
+    blocks = []
+    for m in messages:
+        role = m["role"]
+        if role == "tool":
+            role = f"tool result for {m.get('name') or m.get('tool_call_id') or 'a call'}"
+        blocks.append(f"[{role}]\n{trim_middle(m.get('content') or '', limit)}")
+    return "\n\n".join(blocks)
+
+
+def fill_prompt(template: str, turn: dict, limit: int, choice: int | None = None) -> str:
+    """The judge's prompt for one choice of TURN (default: the one its conversation continued
+    from); every choice is judged against the same next state."""
+    choice = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
+    values = {"{user_request}": user_request(turn["messages"], limit),
+              "{assistant_output}": assistant_output(choice),
+              "{next_state}": render_next_state(turn["next_state"] or [], limit)}
+    for key, value in values.items():
+        template = template.replace(key, value)
+    return template
+
+
+def parse_vote(text: str) -> int | None:
+    """The last \\boxed{} decides; only 1, -1 and 0 are votes."""
+    found = BOXED.findall(text or "")
+    if not found:
+        return None
+    value = int(found[-1])
+    return value if value in (1, -1, 0) else None
+
+
+def majority(votes: list[int | None]) -> int:
+    """Most common valid vote; a tie for the top or no valid vote gives 0."""
+    counts = Counter(v for v in votes if v is not None).most_common()
+    if not counts or (len(counts) > 1 and counts[0][1] == counts[1][1]):
+        return 0
+    return counts[0][0]
+
+
+def parse_hint(text: str) -> str | None:
+    found = HINT.findall(text or "")
+    hint = found[-1].strip() if found else ""
+    return hint or None
+
+
+def best_hint(texts: list[str]) -> str | None:
+    """Of several hint answers, the longest valid hint (more hindsight, as the anchors did)."""
+    hints = [h for h in (parse_hint(t) for t in texts) if h]
+    return max(hints, key=len) if hints else None
+
+
+def hinted_messages(messages: list[dict], hint: str) -> list[dict]:
+    """The teacher's context: the turn's prompt with the hint added to its last message."""
+    out = [dict(m) for m in messages]
+    last = out[-1]
+    last["content"] = f"{last.get('content') or ''}\n\n[Hint from hindsight] {hint}"
+    return out
+
+
+def final_reward(judge: int | None, function: float | None, feedback: float | None,
+                 mode: str) -> float | None:
+    present = [r for r in (feedback, function, judge) if r is not None]
+    if not present:
+        return None
+    if mode == "override":
+        return float(present[0])
+    return max(-1.0, min(1.0, float(sum(present))))
+
+
+def token_advantages(behaviour_lp: list[float], teacher_lp: list[float] | None,
+                     reward: float | None, w_opd: float, w_rl: float) -> list[float] | None:
+    """Per completion token; None when the turn has neither a teacher nor a reward."""
+    if teacher_lp is None and reward is None:
+        return None
+    rl = w_rl * reward if reward is not None else 0.0
+    if teacher_lp is None:
+        return [rl] * len(behaviour_lp)
+    return [w_opd * (t - b) + rl for t, b in zip(teacher_lp, behaviour_lp)]
+
+
+def at_least_one(rewards: dict[str, tuple[int, float]]) -> str | None:
+    """{uid: (turn index, reward)} of a closed session's scored turns -> the uid to lift to +1,
+    or None when some turn is already positive (or none was scored). Ties: the latest turn."""
+    if not rewards or any(r > 0 for _, r in rewards.values()):
+        return None
+    return max(rewards, key=lambda uid: (rewards[uid][1], rewards[uid][0]))
+
+
+# ---- group baselines (GRPO) and what is released to the trainer ----
+
+STD_FLOOR = 0.1  # the default of --group-std-floor (settings.py): see the docstring
+
+
+def group_baseline(rewards: list[float | None], mode: str,
+                   std_floor: float = STD_FLOOR) -> tuple[float | None, float | None]:
+    """(baseline, scale) for the choices of one request: a_i = (r_i - baseline) / scale.
+    (None, None) when fewer than 2 choices have a reward: not baselined here (the trainer's
+    own --baseline then applies). Any mode uses the group mean for a group of 2 or more, and
+    divides by the group's std, never by less than the floor, except "group" (Dr. GRPO)."""
+    group = [r for r in rewards if r is not None]
+    if len(group) < 2:
+        return None, None
+    if max(group) == min(group):
+        return group[0], None  # every a_i is exactly 0: the group carries no signal
+    mean = statistics.fmean(group)
+    if mode == "group":
+        return mean, None
+    return mean, max(statistics.stdev(group), std_floor)  # tiny spreads stay tiny
+
+
+def relative(reward: float | None, baseline: float | None, scale: float | None) -> float | None:
+    """The RL advantage of one choice from its release: reward, less baseline, over scale."""
+    if reward is None:
+        return None
+    a = reward - baseline if baseline is not None else reward
+    return a / scale if scale is not None else a
+
+
+def group_advantages(rewards: list[float | None], mode: str,
+                     std_floor: float = STD_FLOOR) -> list[float | None]:
+    baseline, scale = group_baseline(rewards, mode, std_floor)
+    return [relative(r, baseline, scale) for r in rewards]
+
+
+def choice_key(uid: str, choice: int, chosen: int) -> str:
+    """What the trainer knows a released choice by: the uid for the chosen choice."""
+    return uid if choice == chosen else f"{uid}/{choice}"
+
+
+def choice_rewards(line: dict, n: int) -> list[float | None]:
+    """Every choice's reward from a score line (None: not scored)."""
+    rewards: list[float | None] = [None] * n
+    rewards[line["chosen_choice"]] = line["reward"]
+    for other in line.get("other_choices") or []:
+        rewards[other["choice"]] = other["reward"]
+    return rewards
+
+
+def choice_teacher_logprobs(line: dict, choice: int) -> list[float] | None:
+    if choice == line["chosen_choice"]:
+        return line.get("teacher_logprobs")
+    other = next((o for o in line.get("other_choices") or [] if o["choice"] == choice), {})
+    return other.get("teacher_logprobs")
+
+
+def release_lines(line: dict, n: int, reward: float | None, reason: str, mode: str,
+                  with_others: bool, std_floor: float = STD_FLOOR) -> list[dict]:
+    """The `release` lines of one turn: its chosen choice with REWARD (after at-least-one or
+    feedback), and with WITH_OTHERS each other choice that has something to train (a reward or
+    teacher log-probs), reason "group". The baseline is the group's over the rewards released
+    (`group_baseline`; the lines record it and the scale, so a restart rebuilds the same
+    advantages whatever the floor is then); the chosen choice's line comes last."""
+    chosen = line["chosen_choice"]
+    rewards = choice_rewards(line, n)
+    rewards[chosen] = reward
+    baseline, scale = group_baseline(rewards, mode, std_floor)
+    out = []
+    for i in range(n):
+        if i == chosen or not with_others:
+            continue
+        if rewards[i] is None and choice_teacher_logprobs(line, i) is None:
+            continue
+        out.append(_release(line, i, rewards[i], "group", baseline, scale))
+    return out + [_release(line, chosen, reward, reason, baseline, scale)]
+
+
+def _release(line: dict, i: int, reward, reason: str, baseline, scale) -> dict:
+    if reward is None:
+        baseline = scale = None
+    return {"kind": "release", "uid": line["uid"], "session_id": line["session_id"],
+            "index": line["index"], "choice": i,
+            "key": choice_key(line["uid"], i, line["chosen_choice"]), "reward": reward,
+            "reason": reason, "baseline": baseline, "scale": scale}
+
+
+def released_item(turn: dict, score: dict, release: dict, w_opd: float, w_rl: float,
+                  update: bool = False) -> dict | None:
+    """What the trainer gets for one released choice (None: nothing to train): the turn record,
+    the choice, its key, reward, per-token advantages, whether a group baseline was already
+    subtracted, and its teacher log-probs. Rebuilds exactly from the records after a restart:
+    the turn's line in conversations.jsonl, its `score` line and the `release` line."""
+    i = release.get("choice", turn.get("chosen_choice", 0))
+    score = {"chosen_choice": turn.get("chosen_choice", 0), **score}  # older lines lack it
+    teacher = choice_teacher_logprobs(score, i)
+    baseline, scale = release.get("baseline"), release.get("scale")
+    advantages = token_advantages(turn["choices"][i]["logprobs"], teacher,
+                                  relative(release["reward"], baseline, scale), w_opd, w_rl)
+    if advantages is None:
+        return None
+    return {"turn": turn, "choice": i,
+            "key": release.get("key") or choice_key(turn["uid"], i, score["chosen_choice"]),
+            "reward": release["reward"], "advantages": advantages,
+            "baselined": baseline is not None, "teacher_logprobs": teacher, "update": update}

@@ -1,0 +1,415 @@
+"""The scoring worker: turns with a next state in, scored choices out to the trainer.
+
+Consumes finished main turns (from the session store, or replayed from the records at start-up),
+asks the judge for votes (rl), for a hint and the teacher's log-probs (opd), or both (combine),
+applies explicit feedback and reward functions, and writes one `score` line per turn to
+prm_scores.jsonl. When the turn's request asked for n > 1, every choice is scored against the
+same next state by the reward functions, and by the judge and teacher with --score-all-choices.
+When the ledger (scoring/ledger.py: at-least-one) releases a turn, each of its choices with something to
+train gets a `release` line and goes to `on_released` (the trainer's submit), with a group
+baseline when 2 or more of its choices have a reward (scoring/judging.py). Durable by construction: a
+turn is unscored until its `score` line is on disk, so after a crash or a judge outage it is
+simply scored again, once.
+
+Runs on the event loop and never blocks it: record lines go through the writer thread, reward
+functions and the teacher's chat template run on worker threads. Only `known` and `pending` are
+read from other threads. Bounded: a turn's state is kept while its session
+is open; after that only the last KEEP_RECENT released turns (for feedback that re-trains them)
+and KEEP_SCORED small summaries (for feedback that re-releases them) are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable
+
+import orjson
+
+from rlproxy.ops import metrics
+from rlproxy.scoring import judging as scoring
+from rlproxy.serving.chat_template import render_prompt
+from rlproxy.scoring.judges import JudgeUnavailable
+from rlproxy.scoring.ledger import Ledger, Release
+from rlproxy.records import CONVERSATIONS, JsonlWriter, read_jsonl
+from rlproxy.scoring.rewards import RewardFunctions, load_reward_functions  # noqa: F401  (re-export)
+from rlproxy.settings import ScoringSettings
+
+log = logging.getLogger("rlproxy.scorer")
+SCORES = "prm_scores.jsonl"
+KEEP_RECENT = 4096  # released turns kept whole for feedback that trains them again (README)
+RECENT_MB = 256.0  # ... and at most this much of them (a 15k-token turn packs to ~100 KB)
+KEEP_SCORED = 65536  # summaries of scored turns, for feedback that only re-releases them
+KEEP_FEEDBACK = 4096  # feedback for turns not scored yet
+
+
+def pack(record: dict) -> bytes:
+    # A turn as JSON bytes: ~5x smaller than its lists of Python ints.
+    return orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS)
+
+
+def summary(line: dict) -> dict:
+    """A score line without vote texts and teacher log-probs: enough to re-release it."""
+    keep = ("uid", "session_id", "index", "chosen_choice", "judge_reward", "function_reward",
+            "feedback", "reward")
+    out = {k: line[k] for k in keep}
+    out["other_choices"] = [{k: o[k] for k in ("choice", "judge_reward", "function_reward",
+                                               "reward")} for o in line.get("other_choices", [])]
+    return out
+
+
+class Scorer:
+    def __init__(self, settings: ScoringSettings, data_dir: Path, judge, teacher, tokenizer,
+                 fsync: bool = True, on_released: Callable[[dict], None] | None = None,
+                 baseline: str = "mean", keep_recent: int = KEEP_RECENT,
+                 recent_mb: float = RECENT_MB, keep_scored: int = KEEP_SCORED):
+        self.s, self.judge, self.teacher, self.tokenizer = settings, judge, teacher, tokenizer
+        self.baseline = baseline  # settings.trainer.baseline: group | group-std | mean | none
+        self.prompts = scoring.load_prompts(settings.prm_prompts)
+        self.rewards = RewardFunctions(settings.reward_functions, settings.reward_timeout_s)
+        self.data_dir = Path(data_dir)
+        self.on_released = on_released or (lambda scored: None)
+        self.keep_recent, self.recent_budget = keep_recent, int(recent_mb * 2**20)
+        self.keep_scored = keep_scored
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.ledger = Ledger(at_least_one=settings.at_least_one and settings.method != "opd",
+                             keep_done=keep_scored)
+        self._lock = threading.Lock()  # the ledger is read from other threads (`known`)
+        self.held: dict[str, tuple[dict, bytes | None]] = {}  # uid -> (score line, packed turn)
+        self.recent: OrderedDict[str, tuple[dict, bytes | None]] = OrderedDict()  # released
+        self.recent_bytes = 0
+        self.summaries: OrderedDict[str, dict] = OrderedDict()  # uid -> summary(score line)
+        self.feedback: OrderedDict[str, tuple[float, str | None]] = OrderedDict()  # not scored
+        self.waiting: list[dict] = []  # deferred by a judge outage
+        self.stats = {"scored": 0, "released": 0, "waiting": 0, "outages": 0,
+                      "function_errors": 0}
+        self.semaphore = asyncio.Semaphore(settings.judge_concurrency)
+        self._replay()
+        self.writer = JsonlWriter(self.data_dir / SCORES, fsync=fsync)
+
+    def close(self) -> None:
+        """Write what is queued and close the file (not on the event loop: it waits)."""
+        self.writer.close()
+
+    # ---- what it knows (thread-safe) ----
+
+    @property
+    def pending(self) -> int:
+        """Turns submitted and not scored yet: queued, being judged, or waiting out an outage."""
+        return self.ledger.pending
+
+    @property
+    def known(self) -> set[str]:
+        """Uids of turns submitted to scoring (those of sessions finished long ago forgotten)."""
+        with self._lock:
+            return self.ledger.known_uids()
+
+    # ---- input ----
+
+    def submit(self, record: dict) -> None:
+        """A finished trainable turn (called on the event loop)."""
+        with self._lock:
+            fresh = self.ledger.submit(record["uid"], record["session_id"])
+        if fresh:
+            self.queue.put_nowait(record)
+
+    def _replay(self) -> None:
+        """Rebuild from the records: turns not scored go to the queue; sessions not finished
+        get their tallies back, with their held turns; the latest released turns stay at hand
+        for feedback. Keeps the set of scored uids only while reading."""
+        scored: set[str] = set()
+        held: dict[str, dict] = {}  # uid -> score line, until its release line is read
+        recent: OrderedDict[str, dict] = OrderedDict()  # released lately -> score line
+        feedback: dict[str, tuple[float, str | None]] = {}
+        for line in read_jsonl(self.data_dir / SCORES):
+            uid, kind = line.get("uid"), line.get("kind")
+            if kind == "score":
+                line.setdefault("chosen_choice", 0)
+                scored.add(uid)
+                held[uid] = line
+                self._summarize(line)
+                self.ledger.restore(uid, line["session_id"], line["index"], line["reward"],
+                                    line["final"])
+            elif kind == "release" and line.get("key", uid) == uid:  # the chosen choice's
+                self.ledger.restore_release(uid, line["reward"])
+                score = held.pop(uid, None) or recent.pop(uid, None)
+                if score is not None:
+                    recent[uid] = score
+                    if len(recent) > self.keep_recent:
+                        recent.popitem(last=False)
+            elif kind == "feedback":
+                feedback[uid] = (line["reward"], line.get("comment"))
+        self.feedback.update((u, f) for u, f in feedback.items() if u not in scored)
+        for record in read_jsonl(self.data_dir / CONVERSATIONS):
+            uid = record.get("uid")
+            if record.get("trainable") and uid not in scored:
+                self.submit(record)
+            elif uid in held and self.ledger.is_held(uid):
+                self.held[uid] = (held[uid], pack(record))
+            elif uid in recent:
+                self._keep_recent(uid, recent[uid], pack(record))
+
+    # ---- the loop ----
+
+    async def run(self) -> None:
+        """Score forever; first finishes sessions restored from the records."""
+        with self._lock:
+            releases = self.ledger.settle()
+        for release in releases:
+            self._release(release)
+        retry = asyncio.create_task(self._retry_waiting())
+        tasks: set[asyncio.Task] = set()
+        try:
+            while True:
+                record = await self.queue.get()
+                task = asyncio.create_task(self._score_safely(record))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        finally:
+            retry.cancel()
+            for t in tasks:
+                t.cancel()
+
+    async def _retry_waiting(self) -> None:
+        delay = 1.0
+        while True:
+            await asyncio.sleep(delay)
+            if self.waiting:
+                batch, self.waiting = self.waiting, []
+                for record in batch:
+                    self.queue.put_nowait(record)
+                delay = min(delay * 2, 30.0)
+            else:
+                delay = 1.0
+            self.stats["waiting"] = len(self.waiting)
+
+    async def _score_safely(self, record: dict) -> None:
+        try:
+            await self.score(record)
+        except JudgeUnavailable as e:
+            self.stats["outages"] += 1
+            log.warning("judge unavailable for turn %s (%s); it will be retried", record["uid"], e)
+            self.waiting.append(record)
+        except Exception:
+            log.exception("scoring turn %s failed; it will be retried", record["uid"])
+            self.waiting.append(record)
+        self.stats["waiting"] = len(self.waiting)
+
+    async def _limited(self, make_call):
+        async with self.semaphore:  # the call is made only once a slot is free
+            return await make_call()
+
+    def _seed(self, key: str, i: int) -> int:
+        return int(hashlib.blake2b(f"{key}:{i}".encode(), digest_size=4).hexdigest(), 16)
+
+    async def _ask(self, kind: str, record: dict, choice: int) -> list[dict]:
+        """m answers to one prompt about one choice; all failing to reach the judge is an
+        outage."""
+        text = scoring.fill_prompt(self.prompts[kind], record, self.s.prm_max_context_chars,
+                                   choice)
+        messages = [{"role": "user", "content": text}]
+        key = scoring.choice_key(record["uid"], choice, record.get("chosen_choice", 0))
+        answers = await asyncio.gather(*[
+            self._limited(lambda i=i: self.judge.complete(
+                messages, self.s.prm_temperature, self.s.prm_max_tokens, self._seed(key, i)))
+            for i in range(self.s.prm_m)], return_exceptions=True)
+        if all(isinstance(a, Exception) for a in answers):
+            raise JudgeUnavailable(str(answers[0]))
+        return [{"text": a, "error": None} if isinstance(a, str)
+                else {"text": None, "error": f"{type(a).__name__}: {a}"} for a in answers]
+
+    async def _votes(self, record: dict, choice: int) -> list[dict]:
+        votes = await self._ask("judge", record, choice)
+        for v in votes:
+            v["vote"] = scoring.parse_vote(v["text"]) if v["text"] is not None else None
+        return votes
+
+    def _teacher_prompt(self, record: dict, hint: str) -> list[int]:
+        """On a worker thread: a long prompt's chat template takes a while."""
+        messages = scoring.hinted_messages(record["messages"], hint)
+        return render_prompt(self.tokenizer, messages, record["tools"])
+
+    async def score(self, record: dict) -> None:
+        uid, started = record["uid"], time.time()
+        if not self.ledger.is_pending(uid):
+            return
+        chosen, n = record.get("chosen_choice", 0), len(record["choices"])
+        everyone = list(range(n))
+        judged = everyone if self.s.score_all_choices else [chosen]
+        has_next = record["next_state"] is not None
+        rl, opd = self.s.method in ("rl", "combine"), self.s.method in ("opd", "combine")
+        votes, judge, teacher, hint = {}, {}, {}, None
+        if rl and has_next and self.s.judge:
+            asked = await asyncio.gather(*[self._votes(record, i) for i in judged])
+            votes = dict(zip(judged, asked))
+            judge = {i: scoring.majority([v["vote"] for v in vs]) for i, vs in votes.items()}
+        if opd and has_next:
+            hints = await self._ask("hint", record, chosen)
+            hint = scoring.best_hint([h["text"] for h in hints if h["text"]])
+            if hint:  # the same hindsight for every choice: they share the prompt
+                prompt_ids = await asyncio.to_thread(self._teacher_prompt, record, hint)
+                lps = await asyncio.gather(*[self._limited(
+                    lambda i=i: self.teacher.teacher_logprobs(
+                        prompt_ids, record["choices"][i]["completion_ids"])) for i in judged])
+                teacher = dict(zip(judged, lps))
+        functions, errors = {}, []
+        if rl and self.rewards:
+            functions, errors = await self.rewards.score(record, everyone)
+        feedback = self.feedback.pop(uid, None)
+
+        def reward(i):  # feedback is about the reply the conversation went on from
+            fb = feedback[0] if feedback and i == chosen else None
+            return (scoring.final_reward(judge.get(i), functions.get(i), fb,
+                                         self.s.feedback_mode) if rl else None)
+
+        def figures(i):
+            return {"votes": [{"vote": v.get("vote"), "text": v["text"], "error": v["error"]}
+                              for v in votes.get(i, [])],
+                    "judge_reward": judge.get(i), "function_reward": functions.get(i),
+                    "reward": reward(i), "teacher_logprobs": teacher.get(i)}
+
+        lp, behaviour = teacher.get(chosen), record["choices"][chosen]["logprobs"]
+        line = {
+            "kind": "score", "uid": uid, "session_id": record["session_id"],
+            "index": record["index"], "method": self.s.method, "chosen_choice": chosen,
+            **figures(chosen), "feedback": feedback[0] if feedback else None, "hint": hint,
+            "teacher": None if lp is None else {
+                "tokens": len(lp), "mean_teacher_lp": sum(lp) / max(1, len(lp)),
+                "mean_behaviour_lp": sum(behaviour) / max(1, len(behaviour))},
+            "function_errors": errors,
+            "judge_latency_s": round(time.time() - started, 3),
+            "final": record["end"] is not None,
+        }
+        if n > 1:
+            line["other_choices"] = [{"choice": i, **figures(i)} for i in everyone if i != chosen]
+        packed = pack(record)
+        try:
+            await self.writer.write_async(line)  # scored once this is on disk
+        except Exception:
+            if feedback:
+                self.feedback[uid] = feedback  # applied when the turn is scored again
+            raise
+        self.held[uid] = (line, packed)
+        self._summarize(line)
+        with self._lock:
+            releases = self.ledger.score(uid, record["index"], line["reward"], line["final"])
+        metrics.observe_score(line)
+        self.stats["scored"] += 1
+        self.stats["function_errors"] += len(errors)
+        for e in errors:
+            log.warning("reward function %s failed on turn %s choice %d: %s", e["function"],
+                        uid, e["choice"], e["error"])
+        log.info("scored session=%s turn=%s votes=%s reward=%s%s", record["session_id"],
+                 record["index"], [v.get("vote") for v in votes.get(chosen, [])],
+                 _fmt(line["reward"]), f" hint={hint!r}" if hint else "",
+                 extra={"session_id": record["session_id"], "turn_uid": uid})
+        for release in releases:
+            self._release(release, record if release.uid == uid else None)
+        late = self.feedback.pop(uid, None)  # arrived while the score line was being written
+        if late is not None:
+            self._apply_feedback(uid, line, late[0])
+
+    def session_closed(self, session_id: str) -> None:
+        """The session store closed SESSION_ID (on the event loop): release what it held."""
+        with self._lock:
+            releases = self.ledger.close(session_id)
+        for release in releases:
+            self._release(release)
+
+    # ---- release ----
+
+    def _release(self, release: Release, record: dict | None = None) -> None:
+        """Write a released turn's release lines and hand its choices to the trainer (RECORD:
+        the turn, when at hand; else it is unpacked)."""
+        uid, feedback = release.uid, release.reason == "feedback"
+        line, packed = self.held.pop(uid, None) or self.recent.get(uid) or (
+            self.summaries.get(uid), None)
+        if line is None:
+            return
+        n = 1 + len(line.get("other_choices", []))
+        lines = scoring.release_lines(line, n, release.reward, release.reason, self.baseline,
+                                      with_others=not feedback,
+                                      std_floor=self.s.group_std_floor)
+        for out in lines:
+            self.writer.write_nowait(out).add_done_callback(_log_failure)
+        self.stats["released"] += len(lines)
+        if feedback and release.reward is not None:  # a reward scoring never saw
+            metrics.REWARD.observe(release.reward)
+        if release.reason == "at_least_one":
+            log.info("at_least_one session=%s turn=%s reward=+1", line["session_id"],
+                     line["index"])
+        if packed is None:
+            return  # its turn is not in memory: `rlproxy train --from` reads it from the records
+        self._keep_recent(uid, line, packed)
+        record = record or orjson.loads(packed)
+        for out in lines:
+            item = scoring.released_item(record, line, out, self.s.w_opd, self.s.w_rl,
+                                         update=feedback)
+            if item is None:
+                continue
+            try:
+                self.on_released(item)
+            except Exception:  # the release line is written: `rlproxy train --from` has it
+                log.exception("handing turn %s choice %d to the trainer failed", uid,
+                              item["choice"])
+
+    def _keep_recent(self, uid: str, line: dict, packed: bytes) -> None:
+        old = self.recent.pop(uid, None)
+        if old is not None:
+            self.recent_bytes -= len(old[1])
+        self.recent[uid] = (line, packed)
+        self.recent_bytes += len(packed)
+        while self.recent and (len(self.recent) > self.keep_recent
+                               or self.recent_bytes > self.recent_budget):
+            _, (_, dropped) = self.recent.popitem(last=False)
+            self.recent_bytes -= len(dropped)
+
+    def _summarize(self, line: dict) -> None:
+        self.summaries[line["uid"]] = summary(line)
+        self.summaries.move_to_end(line["uid"])
+        while len(self.summaries) > self.keep_scored:
+            self.summaries.popitem(last=False)
+
+    # ---- explicit feedback ----
+
+    async def add_feedback(self, uid: str, session_id: str, reward: float,
+                           comment: str | None) -> str:
+        """Record feedback (on disk before this returns); what happened to it: pending (applied
+        when the turn is scored) | applied (the turn was held) | rescored (released again)."""
+        await self.writer.write_async({"kind": "feedback", "uid": uid, "session_id": session_id,
+                                       "reward": reward, "comment": comment, "at": time.time()})
+        entry = self.held.get(uid) or self.recent.get(uid)
+        line = entry[0] if entry else self.summaries.get(uid)
+        if line is None or self.ledger.is_pending(uid):
+            self.feedback[uid] = (reward, comment)
+            while len(self.feedback) > KEEP_FEEDBACK:
+                self.feedback.popitem(last=False)
+            return "pending"
+        return self._apply_feedback(uid, line, reward)
+
+    def _apply_feedback(self, uid: str, line: dict, reward: float) -> str:
+        new = scoring.final_reward(line["judge_reward"], line["function_reward"], reward,
+                                   self.s.feedback_mode)
+        for same in (line, self.summaries.get(uid)):
+            if same is not None:
+                same["feedback"], same["reward"] = reward, new
+        with self._lock:
+            status, releases = self.ledger.feedback(uid, new)
+        if status == "unknown":  # scored long ago and forgotten by the ledger: release again
+            status, releases = "rescored", [Release(uid, new, "feedback")]
+        for release in releases:
+            self._release(release)
+        return status
+
+def _log_failure(future) -> None:
+    if future.exception() is not None:
+        log.error("a release line could not be written: %s", future.exception())
+
+
+def _fmt(r):
+    return "none" if r is None else (int(r) if float(r).is_integer() else round(r, 3))

@@ -1,0 +1,426 @@
+"""The engine thread: owns the serving model and decodes every live request in one batch.
+
+One long-lived thread runs mlx-lm's `BatchGenerator` (continuous batching: requests join and
+leave between steps). The asyncio side talks to it only through `submit`, `cancel` and
+`publish_adapter`, which put messages in an inbox; results cross back with
+`loop.call_soon_threadsafe`. Nothing here knows HTTP, text, stop strings or sessions: the engine
+takes token ids and gives token ids with their log-probs (the records are serving/jobs.py). Sampling
+rules are serving/sampler.py; how a job's prompt KV gets ready (prefix-cache restore on a loader thread,
+long prompts prefilled chunk by chunk between decode steps) is serving/prefill.py.
+
+With a prefix cache (kv/prefix_cache.py), each new job starts from the longest stored prefix of its
+prompt under the adapter now served or, with `--kv-reuse-max-lag N`, one of the N before it, and
+prefills only the rest (`Job.cached_tokens` says how much came from the cache, and
+`Job.cached_version` from which adapter). A job's KV goes back to the store when it finishes or
+is cancelled, filed under the oldest adapter that computed any of it: the restored prefix's, or
+the one served when the job started (an adapter swap during its life only makes it newer). The
+store refuses it once that adapter is more than N versions old.
+
+What a stored log-prob is: log-softmax of the model's logits at temperature 1 (after logit_bias
+and penalties when a request asks for them), *before* temperature, top_k and top_p.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from rlproxy.ops import metrics
+from rlproxy.serving.jobs import Job, SamplingParams, Step, Token  # noqa: F401  (the engine's interface)
+from rlproxy.kv.blobs import adapter_fingerprint, weights_fingerprint
+from rlproxy.serving.mlx_threads import mlx_thread
+from rlproxy.serving.prefill import Loader, PrefillLane
+from rlproxy.kv.prefix_cache import PrefixCache
+from rlproxy.serving.sampler import make_processors, make_sampler
+
+log = logging.getLogger("rlproxy.engine")
+
+
+class Engine:
+    """The serving model's only user. Thread-safe entry points: submit, cancel, publish_adapter."""
+
+    def __init__(self, model: nn.Module, eos_token_ids, *, max_batch: int = 16,
+                 prefill_step_size: int = 2048, prefix_cache: PrefixCache | None = None):
+        self.model = model
+        self.prefix_cache = prefix_cache
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.max_batch = max_batch
+        self.prefill_step_size = prefill_step_size
+        # A prompt with more left to prefill goes through the lane; a batch of shorter ones that
+        # BatchGenerator prefills together still fits in one chunk.
+        self.direct_prefill = max(1, prefill_step_size // min(8, max_batch))
+        self.adapter_version = 0
+        self.error: str | None = None  # set if the thread died; /healthz reports it
+        self.stats = {"requests": 0, "active": 0, "tokens": 0, "steps": 0, "swaps": 0,
+                      "last_swap_ms": 0.0, "prefill_chunks": 0, "last_prefill_chunk_ms": 0.0,
+                      "max_prefill_chunk_ms": 0.0}  # the longest a prefill held decoding up
+        self._inbox: deque = deque()
+        self._wake = threading.Event()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._loader: Loader | None = None
+        self._gen: BatchGenerator | None = None
+        self._jobs: dict[int, Job] = {}  # in the live BatchGenerator, by uid
+        self._named: dict[str, tuple] = {}  # adapter name -> (its BatchGenerator, {uid: Job})
+        self._lane = PrefillLane(model, prefill_step_size)
+
+    # ---- entry points (any thread) ----
+
+    def start(self) -> None:
+        self._running = True
+        if self.prefix_cache is not None:
+            # Before the loader's first lookup; the model's arrays are evaluated (serving/model.py).
+            self.prefix_cache.set_adapter(self.adapter_version, adapter_fingerprint(self.model))
+            self._loader = Loader(self.prefix_cache, lambda job: self._post("submit", job))
+        self._thread = threading.Thread(target=self._run, name="rlproxy-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._loader is not None:
+            for job in self._loader.stop():
+                self._post("submit", job)  # failed by the engine thread on its way out
+        self._running = False
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, job: Job) -> Job:
+        if job.params.seed is None:
+            job.params.seed = secrets.randbits(63)
+        if self._loader is not None and job.adapter is None:
+            self._loader.submit(job)  # its cached prefix is restored there, off this thread
+        else:
+            self._post("submit", job)
+        return job
+
+    def busy(self) -> bool:
+        """Requests waiting to start or decoding (thread-safe): the trainer yields meanwhile."""
+        loading = self._loader is not None and self._loader.busy()
+        return bool(self._inbox) or loading or self.stats["active"] > 0
+
+    def cancel(self, job: Job) -> None:
+        self._post("cancel", job)
+
+    def publish_adapter(self, weights: dict[str, mx.array], version: int) -> None:
+        """Hand over an *evaluated* adapter; it is applied between two decode steps."""
+        # The prefix cache's key for this adapter is hashed here, on the publisher's thread,
+        # not on the engine thread between two decode steps.
+        fingerprint = weights_fingerprint(weights) if self.prefix_cache is not None else None
+        self._post("adapter", (weights, version, fingerprint))
+
+    def add_adapter(self, name: str, model: nn.Module) -> None:
+        """Serve MODEL (the serving model's base arrays with LoRA weights of its own, already
+        evaluated) to jobs whose `adapter` is NAME; every other job keeps the live adapter."""
+        self._post("add_adapter", (name, model))
+
+    def drop_adapter(self, name: str) -> None:
+        self._post("drop_adapter", (name, None))
+
+    def _post(self, kind: str, payload) -> None:
+        self._inbox.append((kind, payload))
+        self._wake.set()
+        if self._thread is not None and not self._running:
+            # stopped or died (the loader may still hand over jobs): nobody will take them, so
+            # fail them here rather than leave their requests waiting forever
+            while self._inbox:
+                try:
+                    kind, payload = self._inbox.popleft()
+                except IndexError:  # the engine thread drained it meanwhile
+                    break
+                if kind == "submit" and not payload.done:
+                    self._fail(payload, self.error or "the engine stopped")
+
+    # ---- the thread ----
+
+    def _run(self) -> None:
+        # mlx_thread: this thread's own stream, and its MLX objects freed here, not at exit.
+        with mlx_thread() as stream:
+            self._stream = stream
+            try:
+                self._loop()
+            except BaseException as e:  # surfaced on /healthz; the server keeps answering
+                log.exception("engine thread died")
+                self.error = f"{type(e).__name__}: {e}"
+            finally:
+                self._fail_all(self.error or "the engine stopped")
+                for gen in [self._gen, *(g for g, _ in self._named.values())]:
+                    if gen is not None:
+                        gen.close()
+                self._gen, self._named = None, {}
+
+    def _new_generator(self, model: nn.Module | None = None) -> BatchGenerator:
+        return BatchGenerator(
+            model or self.model,
+            stop_tokens=[[t] for t in self.eos_token_ids],
+            completion_batch_size=self.max_batch,
+            prefill_batch_size=min(8, self.max_batch),
+            prefill_step_size=self.prefill_step_size,
+            stream=self._stream,  # this thread's: MLX streams are per thread
+        )
+
+    def _loop(self) -> None:
+        self._gen = self._new_generator()
+        # A token returned by a step was sampled from logits of the previous step's forward
+        # pass (BatchGenerator pipelines one step ahead), so it carries that step's version.
+        previous_version = self.adapter_version
+        while self._running:
+            self._drain_inbox()
+            self._step_named()  # named adapters' requests: one step each, between live steps
+            self.stats["active"] = len(self._jobs) + len(self._lane)
+            if not self._jobs and not self._lane:
+                if not any(jobs for _, jobs in self._named.values()):
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                previous_version = self.adapter_version
+                continue
+            if self._lane.due(decoding=bool(self._jobs)):
+                self._prefill_chunk()
+            if not self._jobs:
+                previous_version = self.adapter_version
+                continue
+            tic = time.perf_counter()
+            try:
+                _, responses = self._gen.next()
+            except Exception as e:  # one bad batch fails its requests, not the server
+                log.exception("decode step failed")
+                self._fail_jobs(self._jobs, f"{type(e).__name__}: {e}")
+                self._gen = self._new_generator()
+                continue
+            self._lane.decoded(time.perf_counter() - tic)
+            self.stats["steps"] += 1
+            if responses:
+                self._deliver(responses, previous_version)
+            previous_version = self.adapter_version
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "submit":
+                self._insert(payload)
+            elif kind == "cancel":
+                self._cancel(payload)
+            elif kind == "adapter":
+                weights, version, fingerprint = payload
+                tic = time.perf_counter()
+                self.model.update(_unflatten(weights))
+                if self.prefix_cache is not None:
+                    self.prefix_cache.set_adapter(version, fingerprint)
+                self.adapter_version = version  # last: who sees it sees the cache switched too
+                self.stats["swaps"] += 1
+                self.stats["last_swap_ms"] = (time.perf_counter() - tic) * 1000
+                metrics.observe_swap(self.stats["last_swap_ms"] / 1000, version)
+            elif kind in ("add_adapter", "drop_adapter"):
+                self._change_named(kind, payload)
+
+    def _insert(self, job: Job) -> None:
+        if job.done or not self._running:  # cancelled before it started, or shutting down
+            if not job.done:
+                self._fail(job, "the engine stopped")
+            return
+        if job.adapter is not None:
+            return self._insert_named(job)
+        restored, job.restored = job.restored, None
+        if self.prefix_cache is not None:
+            served = self.prefix_cache.served()
+            if restored is None or job.kv_source not in self.prefix_cache.window():
+                # a miss, or an adapter swap since the lookup outran the window: start afresh
+                restored, job.cached_tokens, job.kv_source = None, 0, served
+            else:  # the prefix's tokens count as prompt for the sampler's context
+                job.cached_version = job.kv_source[0]
+        self.stats["requests"] += 1
+        if len(job.prompt_ids) - job.cached_tokens > self.direct_prefill:
+            self._lane.add(job, restored)  # prefilled a chunk at a time, between decode steps
+        else:
+            self._start(job, restored, job.cached_tokens)
+        self.stats["active"] = len(self._jobs) + len(self._lane)  # the judge yields now
+
+    def _start(self, job: Job, cache: list | None, done: int) -> None:
+        """Hand the job to the BatchGenerator with KV for prompt_ids[:done] (or none)."""
+        p = job.params
+        restored = {"caches": [cache], "all_tokens": [job.prompt_ids[:done]]} if cache else {}
+        try:
+            (uid,) = self._gen.insert(
+                [job.prompt_ids[done:]],
+                max_tokens=[p.max_tokens],
+                samplers=[make_sampler(p.temperature, p.top_p, p.seed, p.top_k)],
+                logits_processors=[make_processors(p.logit_bias, p.presence_penalty,
+                                                   p.frequency_penalty)],
+                stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])],
+                **restored,
+            )
+        except Exception as e:
+            self._fail(job, f"{type(e).__name__}: {e}")
+            return
+        job.uid = uid
+        self._jobs[uid] = job
+
+    def _prefill_chunk(self) -> None:
+        item = self._lane.next()
+        try:
+            ready = self._lane.run(item)
+        except Exception as e:  # this prompt fails, nothing else
+            log.exception("prefill chunk failed")
+            self._lane.remove(item.job)
+            self._fail(item.job, f"{type(e).__name__}: {e}")
+            return
+        chunk_ms = self._lane.last_chunk_s * 1000
+        self.stats["prefill_chunks"] = self._lane.chunks
+        self.stats["last_prefill_chunk_ms"] = chunk_ms
+        self.stats["max_prefill_chunk_ms"] = max(self.stats["max_prefill_chunk_ms"], chunk_ms)
+        if ready:
+            self._start(item.job, item.cache, item.done)
+
+    def _cancel(self, job: Job) -> None:
+        if job.adapter is not None:
+            return self._cancel_named(job)
+        if job.uid is not None and job.uid in self._jobs:
+            if self.prefix_cache is None:
+                self._gen.remove([job.uid])
+            else:
+                kept = self._gen.remove([job.uid], return_prompt_caches=True)
+                if job.uid in kept:
+                    self._store(job, *kept[job.uid])
+            del self._jobs[job.uid]
+        else:
+            item = self._lane.remove(job)
+            if item is not None and self.prefix_cache is not None:  # what it prefilled so far
+                self._store(job, item.cache, job.prompt_ids[:item.done])
+        job.done = True
+
+    def _deliver(self, responses, version: int) -> None:
+        live = [r for r in responses if r.uid in self._jobs]
+        if not live:
+            return
+        ids = mx.array([r.token for r in live])
+        rows = mx.stack([r.logprobs.reshape(-1) for r in live])
+        chosen = mx.take_along_axis(rows, ids[:, None], axis=1)[:, 0].tolist()
+        want_top = max(self._jobs[r.uid].params.top_logprobs for r in live)
+        if want_top:
+            order = mx.argsort(-rows, axis=-1)[:, :want_top]
+            top_ids = order.tolist()
+            top_lps = mx.take_along_axis(rows, order, axis=1).tolist()
+        for i, r in enumerate(live):
+            job = self._jobs[r.uid]
+            k = job.params.top_logprobs
+            top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k else None
+            token = Token(id=r.token, logprob=chosen[i], adapter_version=version, top=top)
+            self.stats["tokens"] += 1
+            if r.finish_reason is not None:
+                del self._jobs[r.uid]
+                job.done = True
+                if self.prefix_cache is not None:  # before the last token: a next turn finds it
+                    self._store(job, r.prompt_cache, r.all_tokens)
+            job.deliver(Step(token=token, finish_reason=r.finish_reason))
+
+    def _store(self, job: Job, cache, tokens: list[int]) -> None:
+        """Hand a job's KV (covering exactly `tokens`: prompt + every sampled token) to the
+        prefix cache if it holds something new; the store files it under the job's oldest
+        adapter, or refuses it when that one has left the reuse window."""
+        if len(tokens) > job.cached_tokens:
+            prompt_end = min(len(job.prompt_ids), len(tokens))
+            self.prefix_cache.put(list(tokens), cache, [prompt_end, len(tokens)], job.kv_source)
+
+    def _fail(self, job: Job, message: str) -> None:
+        job.done = True
+        job.deliver(Step(finish_reason="error", error=message))
+
+    def _fail_jobs(self, jobs: dict, message: str) -> None:
+        for job in list(jobs.values()):
+            self._fail(job, message)
+        jobs.clear()
+
+    def _fail_all(self, message: str) -> None:
+        self._running = False
+        for _, jobs in self._named.values():
+            self._fail_jobs(jobs, message)
+        self._fail_jobs(self._jobs, message)
+        for item in list(self._lane.items):
+            self._lane.remove(item.job)
+            self._fail(item.job, message)
+        while self._inbox:  # submits that will never start
+            kind, payload = self._inbox.popleft()
+            if kind == "submit" and not payload.done:
+                self._fail(payload, message)
+
+    # ---- named adapters: a BatchGenerator each, stepped in turn with the live one ----
+
+    def _change_named(self, kind: str, payload) -> None:
+        name, model = payload
+        old = self._named.pop(name, None)
+        if old is not None:
+            self._fail_jobs(old[1], f"adapter {name!r} was replaced")
+            old[0].close()
+        if kind == "add_adapter":
+            self._named[name] = (self._new_generator(model), {})
+
+    def _insert_named(self, job: Job) -> None:
+        lane, p = self._named.get(job.adapter), job.params
+        try:
+            if lane is None:
+                raise KeyError(f"no adapter named {job.adapter!r} is loaded")
+            (uid,) = lane[0].insert(
+                [job.prompt_ids], max_tokens=[p.max_tokens],
+                samplers=[make_sampler(p.temperature, p.top_p, p.seed, p.top_k)],
+                logits_processors=[make_processors(p.logit_bias, p.presence_penalty,
+                                                   p.frequency_penalty)],
+                stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])])
+        except Exception as e:
+            self._fail(job, f"{type(e).__name__}: {e}")
+            return
+        job.uid = uid
+        lane[1][uid] = job
+        self.stats["requests"] += 1
+
+    def _step_named(self) -> None:
+        for name, (gen, jobs) in list(self._named.items()):
+            if not jobs:
+                continue
+            try:
+                _, responses = gen.next()
+            except Exception as e:  # this adapter's requests fail, nothing else
+                log.exception("decode step for adapter %s failed", name)
+                self._fail_jobs(jobs, f"{type(e).__name__}: {e}")
+                self._change_named("add_adapter", (name, gen.model))  # a fresh generator
+                continue
+            for r in responses:
+                job = jobs.get(r.uid)
+                if job is None:
+                    continue
+                lp = r.logprobs.reshape(-1)[r.token].item()  # temperature 1, as the live lane
+                self.stats["tokens"] += 1
+                if r.finish_reason is not None:
+                    del jobs[r.uid]
+                    job.done = True
+                job.deliver(Step(token=Token(id=r.token, logprob=lp, adapter_version=0),
+                                 finish_reason=r.finish_reason))
+
+    def _cancel_named(self, job: Job) -> None:
+        lane = self._named.get(job.adapter)
+        if lane is not None and job.uid in lane[1]:
+            lane[0].remove([job.uid])
+            del lane[1][job.uid]
+        job.done = True
+
+
+def _unflatten(weights: dict[str, mx.array]):
+    from mlx.utils import tree_unflatten
+
+    return tree_unflatten(list(weights.items()))
+
+
+def asyncio_delivery(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Step], None]:
+    """A `deliver` callback that moves engine steps onto an asyncio queue, thread-safely."""
+    return lambda step: loop.call_soon_threadsafe(queue.put_nowait, step)

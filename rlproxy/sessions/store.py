@@ -1,0 +1,584 @@
+"""Sessions, their threads, and turns: where a request belongs, and each turn's next state.
+
+Owns the session protocol (headers and body fallbacks), the open sessions and their threads in
+memory, linking a turn to its next state (every message its thread's next request adds after the
+turn's assistant message), closing threads (compaction) and sessions (done header, end call,
+idle timeout, eviction past `max_open_sessions`), whether a main turn trains (X-RL-Train,
+`train_sessions_matching`), and handing each finished turn to the record files and to the
+scorer. A turn whose response completed is journaled before the response's last bytes go out
+(`complete` returns the future the caller awaits), so a crash loses no acknowledged turn; every
+other line is queued for the records' writer thread, so the event loop never waits on the disk.
+The matching and side/compaction rules are pure functions in sessions/threads.py. Knows nothing of HTTP
+or MLX; callers pass in parsed messages and the exact ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections import OrderedDict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Callable
+
+import orjson
+
+from rlproxy.sessions import threads as rules
+from rlproxy.api.tags import TurnTags
+from rlproxy.records import (
+    CONVERSATIONS, PENDING, JsonlWriter, all_written, compact_pending, load_pending, read_jsonl,
+)
+from rlproxy.sessions.threads import prefix_hashes, turn_heads
+
+log = logging.getLogger("rlproxy.sessions")
+
+@dataclass
+class Turn:
+    uid: str
+    session_id: str
+    index: int
+    turn_type: str
+    requested_model: str
+    messages: list[dict]  # the prompt messages, as templated
+    tools: list[dict] | None
+    prompt_ids: list[int]  # exactly as templated for sampling
+    choices: list[dict]  # completion_ids, logprobs, adapter_versions, text, tool_calls, ...
+    sampling: dict
+    timings: dict
+    turn_id: str | None = None
+    step_index: int | None = None
+    request_id: str | None = None
+    next_state: list[dict] | None = None
+    next_state_link: str | None = None  # "prefix" | "after_last_assistant"
+    chosen_choice: int = 0  # which choice the conversation continued from (n > 1)
+    end: str | None = None  # why no next state: session_done | ended | idle_timeout |
+    # superseded | compacted | evicted
+    api: str = "chat"  # the front door it came through: chat | responses | messages
+    thread: str | None = None  # the thread of its session it belongs to (set by complete())
+    side_rule: str | None = None  # why it is a side turn: header | probe | aside (sessions/threads.py)
+    no_train: str | None = None  # why a main turn does not train: header (X-RL-Train: 0) |
+    # train_sessions_matching (its session id does not match)
+
+    @property
+    def trainable(self) -> bool:
+        return self.turn_type == "main" and self.no_train is None
+
+    def record(self) -> dict:
+        # Shallow (asdict deep-copies 15k-token id lists): nothing changes a filed turn's lists.
+        return {"kind": "turn", **{f.name: getattr(self, f.name) for f in fields(self)},
+                "trainable": self.trainable}
+
+    def summary(self) -> dict:
+        c = self.choices[self.chosen_choice]
+        return {"uid": self.uid, "index": self.index, "turn_type": self.turn_type,
+                "side_rule": self.side_rule, "thread": self.thread, "api": self.api,
+                "turn_id": self.turn_id, "step_index": self.step_index,
+                "prompt_tokens": len(self.prompt_ids), "completion_tokens": len(c["completion_ids"]),
+                "text": c["text"], "tool_calls": c["tool_calls"], "finish_reason": c["finish_reason"],
+                "next_state": self.next_state, "end": self.end, "trainable": self.trainable}
+
+
+@dataclass
+class Thread:
+    """One line of conversation in a session: each of its requests continues its last turn."""
+
+    id: str
+    session_id: str
+    system: str  # threads.system_key of its first request
+    tools: str  # threads.tools_key
+    has_tools: bool
+    first_user: str  # threads.first_user_key
+    prompt_len: int = 0  # messages in its latest main request
+    main: bool = False  # a main request went into it
+    turns: int = 0
+    last_turn: str | None = None  # uid
+    last_active: float = field(default_factory=time.time)
+    pending: Turn | None = None  # its last main turn, waiting for its next state
+    heads: set[str] = field(default_factory=set)  # prefix hashes that continue it
+    closed: str | None = None  # compacted | evicted | the session's closing reason
+    compacts: str | None = None  # the thread whose history its first request summarized
+
+    def summary(self) -> dict:
+        return {"id": self.id, "open": self.closed is None, "closed": self.closed,
+                "main": self.main, "tools": self.has_tools, "turns": self.turns,
+                "last_turn": self.last_turn, "pending": self.pending.uid if self.pending else None,
+                "compacts": self.compacts}
+
+
+@dataclass
+class Session:
+    id: str
+    inferred: bool  # opened for a request without X-Session-Id
+    created: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.time)
+    turn_count: int = 0
+    threads: dict[str, Thread] = field(default_factory=dict)
+    heads: dict[str, Thread] = field(default_factory=dict)  # prefix hash -> thread it continues
+    turns: list[dict] = field(default_factory=list)  # summaries of finished turns
+    closed: str | None = None  # the reason, once closed
+
+    def pending(self) -> list[Turn]:
+        return [t.pending for t in self.threads.values() if t.pending is not None]
+
+    def summary(self, with_turns: bool = False) -> dict:
+        out = {"id": self.id, "open": self.closed is None, "closed": self.closed,
+               "inferred": self.inferred, "created": self.created,
+               "last_active": self.last_active, "turns": self.turn_count,
+               "threads_open": sum(t.closed is None for t in self.threads.values())}
+        if with_turns:
+            out["threads"] = [t.summary() for t in self.threads.values()]
+            out["turn_list"] = sorted(self.turns + [t.summary() for t in self.pending()],
+                                      key=lambda t: t["index"])
+        return out
+
+
+@dataclass
+class Placement:
+    """Where one request goes: its session, its thread, and its turn type (with the reason)."""
+
+    session: Session
+    thread: Thread
+    turn_type: str
+    side_rule: str | None
+    opened: bool  # this request opened the thread
+    explicit: bool  # the type came from X-Turn-Type: no rule may change it
+    no_train: str | None = None  # a main turn here does not train, and why (Turn.no_train)
+
+
+MAX_OPEN_THREADS = 64  # per session; beyond it the least recently active idle one is closed
+KEEP_CLOSED_IDS = 65536  # closed sessions whose numbering a reopen continues (oldest forgotten)
+
+
+KEEP_RESPONSES_BYTES = 256 * 2**20  # kept X-Request-Id responses, at most
+
+
+def kept_size(kept) -> int:
+    """About the bytes a kept response holds: its SSE payloads, else its body."""
+    if isinstance(kept, dict) and kept.get("events"):
+        return sum(len(p) for p in kept["events"])
+    return len(orjson.dumps(kept.get("body") if isinstance(kept, dict) else kept,
+                            default=str))
+
+
+class SessionStore:
+    def __init__(self, data_dir: Path, idle_timeout_s: float, fsync: bool = True,
+                 on_trainable: Callable[[dict], None] | None = None,
+                 on_closed: Callable[[str], None] | None = None,
+                 keep_closed: int = 200, keep_responses: int = 1024,
+                 max_open_sessions: int = 4096, train_sessions_matching: str | None = None):
+        self.data_dir = Path(data_dir)
+        self.idle_timeout_s = idle_timeout_s
+        self.max_open_sessions = max_open_sessions
+        self.train_pattern = re.compile(train_sessions_matching) \
+            if train_sessions_matching is not None else None
+        self.on_trainable = on_trainable or (lambda record: None)
+        self.on_closed = on_closed or (lambda session_id: None)  # after its last turn is filed
+        self.open: OrderedDict[str, Session] = OrderedDict()  # least recently active first
+        self.closed: deque[Session] = deque(maxlen=keep_closed)
+        self.stats = {"idle_closed": 0, "evicted": 0}
+        self._threads: dict[str, Thread] = {}  # open threads of open sessions, by id
+        self._inferred_heads: dict[str, Thread] = {}  # header-less matching across sessions
+        self._responses: OrderedDict[str, object] = OrderedDict()  # X-Request-Id -> (kept, bytes)
+        self._running: dict[str, asyncio.Future] = {}  # X-Request-Id -> its attempt running
+        self._keep_responses = keep_responses
+        self._responses_bytes = 0
+        # A kill between a turn's record line and its tombstone leaves it in both files: the
+        # record wins. Explicit session ids also continue their turn numbering across restarts.
+        recorded: set[str] = set()
+        # closed sessions: (the index their next turn gets, inferred: a chain may reopen one)
+        self._reopen: OrderedDict[str, tuple[int, bool]] = OrderedDict()
+        for r in read_jsonl(self.data_dir / CONVERSATIONS):
+            recorded.add(r.get("uid"))
+            sid = r.get("session_id")
+            nxt = max(self._reopen.pop(sid, (0, False))[0], r.get("index", 0) + 1)
+            self._remember_closed(sid, nxt, False)
+        self.conversations = JsonlWriter(self.data_dir / CONVERSATIONS, fsync=fsync)
+        pending = [e for e in load_pending(self.data_dir / PENDING) if e["uid"] not in recorded]
+        compact_pending(self.data_dir / PENDING, pending)
+        self.journal = JsonlWriter(self.data_dir / PENDING, fsync=fsync)
+        for entry in pending:
+            self._restore(entry)
+
+    def close(self) -> None:
+        self.conversations.close()
+        self.journal.close()
+
+    # ---- where a request goes ----
+
+    def resolve(self, tags: TurnTags, messages: list[dict], tools: list[dict] | None = None,
+                max_tokens: int | None = None, thread_hint: str | None = None) -> Placement:
+        """The session and thread this request belongs to, and its turn type. A main request
+        links its thread's pending turn to its next state, now that the next request is here.
+        `thread_hint` names the thread a chained request (previous_response_id) continues."""
+        hashes = prefix_hashes(messages)
+        hinted = self._threads.get(thread_hint) if thread_hint else None
+        if hinted is not None and tags.session_id not in (None, hinted.session_id):
+            hinted = None  # the explicit session id wins over a chain into another session
+        if tags.session_id is not None:
+            session = self.open.get(tags.session_id)
+            if session is None:  # new, or reopened (after a restart or a close): numbering goes on
+                nxt, inferred = self._reopen.pop(tags.session_id, (0, False))
+                session = self._add(Session(tags.session_id, inferred=inferred, turn_count=nxt))
+            thread = hinted or self._match(session.heads, hashes)
+        elif hinted is not None:
+            session, thread = self.open[hinted.session_id], hinted
+        else:
+            thread = self._match(self._inferred_heads, hashes)
+            session = self.open[thread.session_id] if thread else None
+            if session is None:
+                session = self._add(Session(f"auto-{uuid.uuid4().hex[:16]}", inferred=True))
+        self._touch(session)
+        turn_type, why = self._turn_type(tags, session, messages, tools, max_tokens)
+        rewritten, compacted = False, None
+        if thread is None and turn_type == "main" and not session.inferred:
+            thread = self._rewritten(session, messages, tools)
+            rewritten = thread is not None
+            if thread is None:
+                compacted = self._compacted(session, messages, tools)
+        opened = thread is None
+        if opened:
+            thread = self._open_thread(session, messages, tools)
+            thread.compacts = compacted.id if compacted else None
+        thread.last_active = time.time()
+        if turn_type == "main":
+            thread.main, thread.prompt_len = True, len(messages)
+            if thread.pending is not None:
+                self._link(session, thread, messages, hashes, by_prefix=not rewritten)
+        return Placement(session, thread, turn_type, why, opened, tags.explicit_type,
+                         self._no_train(tags, session.id) if turn_type == "main" else None)
+
+    def _no_train(self, tags: TurnTags, session_id: str) -> str | None:
+        """Why a main turn of this request does not train (None: it does). The header wins."""
+        if tags.train is not None:
+            return None if tags.train else "header"
+        if self.train_pattern is not None and not self.train_pattern.search(session_id):
+            return "train_sessions_matching"
+        return None
+
+    def _add(self, session: Session) -> Session:
+        """Open a session; past `max_open_sessions` the longest idle one is closed first."""
+        while len(self.open) >= self.max_open_sessions:
+            oldest = next(iter(self.open))
+            self._close(oldest, "evicted")
+            self.stats["evicted"] += 1
+            log.debug("session %s evicted (%d open sessions at most)", oldest,
+                      self.max_open_sessions)
+        self.open[session.id] = session
+        return session
+
+    def _touch(self, session: Session) -> None:
+        session.last_active = time.time()
+        if self.open.get(session.id) is session:
+            self.open.move_to_end(session.id)
+
+    def _remember_closed(self, session_id: str, next_index: int, inferred: bool) -> None:
+        self._reopen[session_id] = (next_index, inferred)
+        self._reopen.move_to_end(session_id)
+        while len(self._reopen) > KEEP_CLOSED_IDS:
+            self._reopen.popitem(last=False)
+
+    @staticmethod
+    def _match(heads: dict[str, Thread], hashes: list[str]) -> Thread | None:
+        for h in reversed(hashes):  # the longest matching prefix wins
+            thread = heads.get(h)
+            if thread is not None and thread.closed is None:
+                return thread
+        return None
+
+    def _turn_type(self, tags: TurnTags, session: Session, messages, tools,
+                   max_tokens) -> tuple[str, str | None]:
+        if tags.explicit_type:
+            return tags.turn_type, "header" if tags.turn_type == "side" else None
+        why = rules.side_rule(max_tokens, bool(tools), rules.system_key(messages),
+                              self._tool_threads(session))
+        return ("side", why) if why else ("main", None)
+
+    @staticmethod
+    def _tool_threads(session: Session, but: Thread | None = None) -> list[tuple[str, bool]]:
+        return [(t.system, t.main) for t in session.threads.values()
+                if t.closed is None and t.has_tools and t is not but]
+
+    def _same_agent(self, session: Session, messages, tools) -> list[Thread]:
+        """Open main threads with this request's system prompt and tools, latest first."""
+        system, tkey = rules.system_key(messages), rules.tools_key(tools)
+        same = [t for t in session.threads.values()
+                if t.closed is None and t.main and t.system == system and t.tools == tkey]
+        return sorted(same, key=lambda t: t.last_active, reverse=True)
+
+    def _rewritten(self, session: Session, messages, tools) -> Thread | None:
+        first = rules.first_user_key(messages)
+        return next((t for t in self._same_agent(session, messages, tools) if t.pending
+                     and rules.is_rewrite(messages, first, t.prompt_len, t.first_user)), None)
+
+    def _compacted(self, session: Session, messages, tools) -> Thread | None:
+        """Close the thread this request's history summarizes, if there is one."""
+        first = rules.first_user_key(messages)
+        old = next((t for t in self._same_agent(session, messages, tools)
+                    if rules.is_compaction(messages, first, t.prompt_len, t.first_user)), None)
+        if old is not None:
+            self._close_thread(session, old, "compacted")
+        return old
+
+    def _open_thread(self, session: Session, messages, tools) -> Thread:
+        thread = Thread(f"th-{uuid.uuid4().hex[:12]}", session.id, rules.system_key(messages),
+                        rules.tools_key(tools), bool(tools), rules.first_user_key(messages))
+        live = [t for t in session.threads.values() if t.closed is None and t.pending is None]
+        if len(live) >= MAX_OPEN_THREADS:  # title calls open one each: keep memory bounded
+            self._close_thread(session, min(live, key=lambda t: t.last_active), "evicted")
+        session.threads[thread.id] = thread
+        self._threads[thread.id] = thread
+        return thread
+
+    def _link(self, session: Session, thread: Thread, messages: list[dict], hashes: list[str],
+              by_prefix: bool = True) -> None:
+        turn = thread.pending
+        turn.next_state_link = "after_last_assistant"
+        for i, choice in enumerate(turn.choices if by_prefix else []):
+            k = len(turn.messages) + 1
+            if len(hashes) >= k and hashes[k - 1] == turn_heads(turn.messages, [choice])[0]:
+                turn.next_state, turn.chosen_choice, turn.next_state_link = messages[k:], i, "prefix"
+                break
+        else:  # the agent rewrote its history: take what follows its last assistant message
+            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+            turn.next_state = messages[last + 1:]
+        self._finish(session, thread, turn)
+
+    # ---- turns ----
+
+    def complete(self, place: Placement, turn: Turn, session_done: bool) -> Future:
+        """A response finished: file it in its thread, journaled (main) or recorded (side).
+        Sets the turn's thread and its final type. Returns a future done once the turn, and
+        every line this request's resolve and complete queued, is on disk: the caller waits
+        for it before the client is told."""
+        session, thread = place.session, place.thread
+        turn.thread, turn.turn_type, turn.side_rule = thread.id, place.turn_type, place.side_rule
+        turn.no_train = place.no_train
+        if place.opened and not place.explicit and turn.turn_type == "main":
+            # A call opened beside a tool-using thread that started after it (an agent's
+            # concurrent title call): the aside rule can only be checked now.
+            why = rules.side_rule(None, bool(turn.tools), rules.system_key(turn.messages),
+                                  self._tool_threads(session, but=thread))
+            if why:
+                turn.turn_type, turn.side_rule = "side", why
+                thread.main = thread.pending is not None
+        if turn.turn_type != "main":
+            turn.no_train = None
+        session.turn_count = max(session.turn_count, turn.index + 1)
+        self._touch(session)
+        thread.last_active = session.last_active
+        thread.turns += 1
+        thread.last_turn = turn.uid
+        if turn.turn_type == "side":
+            self.conversations.write_nowait(turn.record())
+            session.turns.append(turn.summary())
+            if not thread.main:  # a side thread continues from its last turn only
+                self._unindex(session, thread)
+            if thread.closed is None:
+                self._index(session, thread, turn)
+        elif thread.closed is not None:  # compacted (or the session ended) while it ran
+            turn.end = thread.closed
+            self._finish(session, thread, turn)
+        else:
+            if thread.pending is not None:
+                # Two main turns in flight at once in one thread: the earlier one's
+                # conversation did not continue through this request, so it has no next state.
+                thread.pending.end = "superseded"
+                self._finish(session, thread, thread.pending)
+            if session_done:  # its last turn: recorded at once, no journal entry needed
+                turn.end = "session_done"
+                self._finish(session, thread, turn)
+            else:
+                self.journal.write_nowait({**turn.record(), "inferred": session.inferred})
+                thread.pending = turn
+                self._unindex(session, thread)
+                self._index(session, thread, turn)
+        if session_done and self.open.get(session.id) is session:  # not evicted meanwhile
+            self._close(session.id, "session_done")
+        return self.flushed()
+
+    def flushed(self) -> Future:
+        """Done once every line queued so far is on disk."""
+        return all_written(self.conversations.flushed(), self.journal.flushed())
+
+    def next_index(self, session: Session) -> int:
+        session.turn_count += 1
+        return session.turn_count - 1
+
+    def _index(self, session: Session, thread: Thread, turn: Turn) -> None:
+        for h in turn_heads(turn.messages, turn.choices):
+            thread.heads.add(h)
+            session.heads[h] = thread
+            if session.inferred:
+                self._inferred_heads[h] = thread
+
+    def _unindex(self, session: Session, thread: Thread) -> None:
+        for h in thread.heads:
+            if session.heads.get(h) is thread:
+                del session.heads[h]
+            if self._inferred_heads.get(h) is thread:
+                del self._inferred_heads[h]
+        thread.heads.clear()
+
+    def _finish(self, session: Session, thread: Thread, turn: Turn) -> Future:
+        """Record a turn whose next state is known (or never will be); the future of its line."""
+        record = turn.record()
+        written = self.conversations.write_nowait(record)
+        if thread.pending is turn:
+            thread.pending = None
+            # The tombstone goes out only once the record line is on disk: a crash in between
+            # leaves the turn pending, and the restart records it (or finds it recorded).
+            uid = turn.uid
+            written.add_done_callback(lambda f: f.exception() is None and self._journal_done(uid))
+        session.turns.append(turn.summary())
+        if turn.trainable:
+            self.on_trainable(record)
+        return written
+
+    def _journal_done(self, uid: str) -> None:
+        try:
+            self.journal.write_nowait({"kind": "done", "uid": uid})
+        except RuntimeError:  # closed meanwhile (shutdown): the restart finds it recorded
+            pass
+
+    def _close_thread(self, session: Session, thread: Thread, reason: str) -> None:
+        if thread.pending is not None:
+            thread.pending.end = reason
+            self._finish(session, thread, thread.pending)
+        thread.closed = reason
+        self._unindex(session, thread)
+        self._threads.pop(thread.id, None)
+
+    # ---- closing ----
+
+    def end(self, session_id: str, reason: str) -> Future | None:
+        """Close an open session (None: there is none). The future is done once its records
+        are on disk: an end call answers after it."""
+        return self.flushed() if self._close(session_id, reason) else None
+
+    def _close(self, session_id: str, reason: str) -> bool:
+        session = self.open.pop(session_id, None)
+        if session is None:
+            return False
+        for thread in session.threads.values():
+            if thread.closed is None:
+                self._close_thread(session, thread, reason)
+        session.closed = reason
+        self.closed.append(session)
+        self._remember_closed(session_id, session.turn_count, session.inferred)
+        self.on_closed(session_id)
+        return True
+
+    def sweep_idle(self, now: float | None = None, budget_s: float | None = None) -> list[str]:
+        """Close idle sessions, longest idle first; with `budget_s`, stop once that much time
+        is spent (call again for the rest). Returns the ids closed."""
+        now = time.time() if now is None else now
+        start, closed = time.perf_counter(), []
+        while self.open:
+            session = next(iter(self.open.values()))
+            if now - session.last_active <= self.idle_timeout_s:
+                break
+            self._close(session.id, "idle_timeout")
+            closed.append(session.id)
+            if budget_s is not None and time.perf_counter() - start >= budget_s:
+                break
+        self.stats["idle_closed"] += len(closed)
+        return closed
+
+    def find(self, session_id: str) -> Session | None:
+        return self.open.get(session_id) or next(
+            (s for s in reversed(self.closed) if s.id == session_id), None)
+
+    def find_turn(self, session_id: str, *, uid: str | None = None, index: int | None = None,
+                  turn_id: str | None = None, step_index: int | None = None,
+                  last: bool = False) -> str | None:
+        """The uid of one turn of an open or recently closed session, or None."""
+        session = self.find(session_id)
+        if session is None:
+            return None
+        turns = session.summary(with_turns=True)["turn_list"]
+        if last:
+            main = [t for t in turns if t["turn_type"] == "main"]
+            return main[-1]["uid"] if main else None
+        for t in turns:
+            if ((uid is not None and t["uid"] == uid)
+                    or (index is not None and t["index"] == index)
+                    or (turn_id is not None and t["turn_id"] == turn_id
+                        and (step_index is None or t["step_index"] == step_index))):
+                return t["uid"]
+        return None
+
+    # ---- idempotency (X-Request-Id) ----
+
+    def stored_response(self, request_id: str):
+        """The kept response; the future of the attempt still running; or None."""
+        kept = self._responses.get(request_id)
+        return self._running.get(request_id) or (kept[0] if kept is not None else None)
+
+    def start_response(self, request_id: str) -> asyncio.Future:
+        """This attempt runs: a repeat waits on the future until `finish_response`."""
+        running = self._running[request_id] = asyncio.get_running_loop().create_future()
+        return running
+
+    def finish_response(self, request_id: str, kept) -> None:
+        """The attempt ended: keep its response, or None (it failed: a repeat runs anew)."""
+        running = self._running.pop(request_id, None)
+        if kept is not None:
+            size = kept_size(kept)
+            if request_id in self._responses:
+                self._responses_bytes -= self._responses.pop(request_id)[1]
+            self._responses[request_id] = (kept, size)
+            self._responses_bytes += size
+            # the last `keep_responses`, within KEEP_RESPONSES_BYTES (streams with logprobs
+            # run to megabytes each): the oldest go first
+            while len(self._responses) > self._keep_responses or (
+                    self._responses_bytes > KEEP_RESPONSES_BYTES and len(self._responses) > 1):
+                self._responses_bytes -= self._responses.popitem(last=False)[1][1]
+        if running is not None and not running.done():
+            running.set_result(kept)
+
+    # ---- restart ----
+
+    def _restore(self, entry: dict) -> None:
+        """A journaled turn still waiting for its next state: its session and thread reopen."""
+        turn = Turn(**{k: v for k, v in entry.items() if k in Turn.__dataclass_fields__})
+        session = self.open.get(turn.session_id)
+        if session is None:
+            nxt, _ = self._reopen.pop(turn.session_id, (0, False))
+            session = self._add(Session(turn.session_id, inferred=entry.get("inferred", False),
+                                        turn_count=nxt))
+        session.turn_count = max(session.turn_count, turn.index + 1)
+        thread = session.threads.get(turn.thread) if turn.thread else None
+        if thread is None:
+            thread = Thread(turn.thread or f"th-{uuid.uuid4().hex[:12]}", session.id,
+                            rules.system_key(turn.messages), rules.tools_key(turn.tools),
+                            bool(turn.tools), rules.first_user_key(turn.messages))
+            session.threads[thread.id] = thread
+            self._threads[thread.id] = thread
+        turn.thread = thread.id
+        if thread.pending is not None:  # two pending in one thread: the later one continues
+            thread.pending.end = "superseded"
+            self._finish(session, thread, thread.pending)
+        thread.main, thread.prompt_len, thread.pending = True, len(turn.messages), turn
+        thread.turns += 1
+        thread.last_turn = turn.uid
+        self._unindex(session, thread)
+        self._index(session, thread, turn)
+
+
+async def sweep_idle_forever(store: SessionStore, slice_s: float = 0.005) -> None:
+    """Close idle sessions every few seconds, in slices of at most `slice_s` of work each, so
+    closing thousands at once never holds the event loop (requests run between slices)."""
+    while True:
+        await asyncio.sleep(min(5.0, store.idle_timeout_s / 4))
+        closed = 0
+        while batch := store.sweep_idle(budget_s=slice_s):
+            closed += len(batch)
+            for sid in batch:
+                log.debug("session %s closed after %.0f s idle", sid, store.idle_timeout_s)
+            await asyncio.sleep(0)
+        if closed:
+            log.info("closed %d session(s) idle for %.0f s", closed, store.idle_timeout_s)

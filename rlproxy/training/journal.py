@@ -1,0 +1,229 @@
+"""The training journal: which turns each optimizer step is about to train, and how it ended.
+
+Before the trainer runs a step it appends `{"kind": "step_start", "n", "uids", "attempt"}` (uids:
+the items' keys, `item_key`: a turn's uid, or uid/i for another of its choices), and
+after it `{"kind": "step_end", "n", "ok", "error"}`; both are on disk (fsync'ed, like every record
+line unless --no-fsync) before the trainer goes on, so a start without an end means the process
+died inside that step (killed, out of memory, crashed). The next start-up finds it and ends it
+with `"died": true`. Each failed step costs every turn in it one attempt; a turn that reaches
+`max_attempts` gets one `{"kind": "quarantined", "uid", "reason"}` line and is never trained
+again: a poison turn costs at most `max_attempts` crashes, never a crash loop.
+
+Only the turns' compute (examples, forward and backward) is charged: the step ends ok as soon as
+the optimizer update is applied, so a failure after it (a checkpoint save on a full disk, a
+later epoch) is logged and surfaced, never retrained. When SYSTEMIC_TURNS different turns fail
+in a row with one error type the cause is not the turns: training pauses with an error instead
+of quarantining them all.
+
+This module keeps the books and runs a batch between them (`run_batch`), plus two checks on a
+turn record (`outside_vocab`: ids that would crash MLX rather than raise; `turn_length`); the
+trainer does the training. The file is `train_journal.jsonl` in the data dir, append-only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
+from rlproxy.records import JsonlWriter, read_jsonl
+
+log = logging.getLogger("rlproxy.trainer")
+JOURNAL = "train_journal.jsonl"
+SYSTEMIC_TURNS = 3  # different turns failing in a row with one error type: the cause is not them
+DIED = "the process died during this step (killed, out of memory or crashed)"
+
+
+def item_key(item: dict) -> str:
+    """A scorer -> trainer item's key (training/items.py): its "key", or the uid of an item from
+    before choices were keyed."""
+    return item.get("key") or item["turn"]["uid"]
+
+
+def item_choice(item: dict) -> int:
+    """The index of the item's choice in its turn (default: the one the conversation took)."""
+    choice = item.get("choice")
+    return item["turn"].get("chosen_choice", 0) if choice is None else choice
+
+
+def read_journal(data_dir: Path) -> tuple[Counter, dict[str, str], dict[int, dict], int]:
+    """(failed attempts per uid, quarantined uid -> reason, steps started and never ended,
+    highest step number) from DATA_DIR's journal. Steps that never ended are not counted yet."""
+    failures: Counter = Counter()
+    quarantined: dict[str, str] = {}
+    open_steps: dict[int, dict] = {}
+    last = 0
+    for line in read_jsonl(Path(data_dir) / JOURNAL):
+        kind = line.get("kind")
+        if kind == "step_start":
+            open_steps[line["n"]] = line
+            last = max(last, line["n"])
+        elif kind == "step_end":
+            start = open_steps.pop(line["n"], None)
+            if start is not None and not line["ok"]:
+                failures.update(start["uids"])
+        elif kind == "quarantined":
+            quarantined[line["uid"]] = line["reason"]
+    return failures, quarantined, open_steps, last
+
+
+def quarantined_uids(data_dir: Path, max_attempts: int) -> set[str]:
+    """Turns that must not be trained: quarantined, or failed `max_attempts` times (a crash the
+    server has not restarted after yet, so no `quarantined` line was written)."""
+    failures, quarantined, open_steps, _ = read_journal(data_dir)
+    for start in open_steps.values():
+        failures.update(start["uids"])
+    return set(quarantined) | {u for u, n in failures.items() if n >= max_attempts}
+
+
+class StepJournal:
+    """Appends the journal's lines and keeps its counts; one per trainer."""
+
+    def __init__(self, data_dir: Path, fsync: bool = True, max_attempts: int = 2):
+        self.max_attempts = max_attempts
+        self.failures, self.quarantined, open_steps, self._n = read_journal(data_dir)
+        self.failed_steps = 0  # in this process
+        self._streak: tuple[str, set[str]] = ("", set())  # (error type, turns) failing in a row
+        self.open: tuple[int, list[str]] | None = None  # the step started, update not applied
+        self.writer = JsonlWriter(Path(data_dir) / JOURNAL, fsync=fsync)
+        for n, start in sorted(open_steps.items()):  # the last run died inside these steps
+            self.writer.write({"kind": "step_end", "n": n, "ok": False, "error": DIED,
+                               "died": True, "time": time.time()})
+            log.warning("the last run died during training step %d (turns %s); each is "
+                        "retried alone, or quarantined", n, ", ".join(start["uids"]))
+            self._charge(start["uids"], DIED)
+        for uid in list(self.failures):  # e.g. died between a step's end and its quarantine
+            self._quarantine_if_spent(uid, "an earlier run's failures")
+
+    def start(self, uids: list[str], tokens: int) -> int:
+        """Journal a step over UIDS (TOKENS prompt + completion ids in all) before it runs."""
+        self._n += 1
+        self.open = (self._n, uids)
+        self.writer.write({"kind": "step_start", "n": self._n, "uids": uids,
+                           "attempt": 1 + max(self.failures[u] for u in uids), "tokens": tokens,
+                           "time": time.time()})
+        return self._n
+
+    def applied(self) -> None:
+        """The open step's update is applied (or there was none to apply): it ended ok."""
+        if self.open is not None:
+            self.end(*self.open)
+
+    def end(self, n: int, uids: list[str], error: str | None = None,
+            charge: bool = True) -> None:
+        """Step N ended (ERROR: it raised; CHARGE: the turns lose an attempt for it)."""
+        self.open = None
+        self.writer.write({"kind": "step_end", "n": n, "ok": error is None, "error": error,
+                           "charged": charge, "time": time.time()})
+        if error is None:
+            self._streak = ("", set())
+        else:
+            self.failed_steps += 1
+            if charge:
+                self._charge(uids, error)
+
+    def systemic(self, uids: list[str], error_type: str) -> bool:
+        """Whether this failure makes SYSTEMIC_TURNS different turns in a row failing with
+        ERROR_TYPE: a cause outside the turns (an unsupported model, a bug), so quarantining
+        each would empty the queue. The count starts over after it says so."""
+        kind, turns = self._streak
+        turns = (turns if kind == error_type else set()) | set(uids)
+        self._streak = ("", set()) if len(turns) >= SYSTEMIC_TURNS else (error_type, turns)
+        return len(turns) >= SYSTEMIC_TURNS
+
+    def resumed(self, step: int, lost_steps: int, uids: list[str]) -> None:
+        """The trainer resumed from checkpoint STEP; LOST_STEPS steps after it are redone."""
+        self.writer.write({"kind": "resumed", "step": step, "lost_steps": lost_steps,
+                           "retrain": uids, "time": time.time()})
+
+    def quarantine(self, uid: str, reason: str) -> None:
+        """Never train UID again: one `quarantined` line (also for a turn known to crash the
+        process, quarantined before any attempt)."""
+        if uid not in self.quarantined:
+            self.writer.write({"kind": "quarantined", "uid": uid, "reason": reason,
+                               "attempts": self.failures[uid], "time": time.time()})
+            self.quarantined[uid] = reason
+            log.warning("turn %s quarantined, never to be trained: %s", uid, reason)
+
+    def _charge(self, uids: list[str], reason: str) -> None:
+        for uid in uids:
+            self.failures[uid] += 1
+            self._quarantine_if_spent(uid, reason)
+
+    def _quarantine_if_spent(self, uid: str, reason: str) -> None:
+        if self.failures[uid] >= self.max_attempts:
+            self.quarantine(uid, f"{self.failures[uid]} failed attempts; the last: {reason}")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def run_batch(trainer, batch: list[dict]) -> list[dict]:
+    """TRAINER's `train_batch` over BATCH between a journaled start and end; its step lines.
+    A step whose compute raises costs each of its turns one attempt; a several-turn step is
+    then retried turn by turn (innocent turns train, the poison one alone fails again), a
+    one-turn step again until its turn is quarantined. Never raises for a turn's sake, so the
+    trainer thread lives on."""
+    journal = trainer.journal
+    for s in batch:  # an id outside the vocabulary segfaults MLX instead of raising
+        bad = outside_vocab(s["turn"], trainer.vocab_size, item_choice(s))
+        if bad is not None:
+            journal.quarantine(item_key(s), f"token id {bad} is outside this model's "
+                               f"vocabulary of {trainer.vocab_size} (recorded under another "
+                               "model?); training on it would crash")
+    batch = [s for s in batch if item_key(s) not in journal.quarantined]
+    if not batch:
+        return []
+    uids = [item_key(s) for s in batch]
+    journal.start(uids, sum(turn_length(s["turn"], item_choice(s)) for s in batch))
+    lines: list[dict] = []
+    try:
+        trainer.train_batch(batch, lines)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"[:2000]
+        if journal.open is None:  # raised after an update was applied: not the turns' fault
+            log.exception("training after the update over turns %s failed", ", ".join(uids))
+            trainer.mark_trained(uids)  # retraining would apply the update twice
+            trainer.stats["errors_after_update"] += 1
+            trainer.error = f"after step {trainer.step}: {error}"
+            return lines
+        log.exception("training step over turns %s failed", ", ".join(uids))
+        if len(batch) == 1 and journal.systemic(uids, type(e).__name__):
+            journal.end(*journal.open, error, charge=False)
+            trainer.paused = True  # the loop waits in _control until the operator resumes
+            trainer.error = (f"training paused: {SYSTEMIC_TURNS} different turns in a row "
+                             f"failed with {error}; fix the cause, then resume")
+            log.error(trainer.error)
+            trainer.inbox.put(batch[0])  # kept for after the resume
+            return []
+        journal.end(*journal.open, error)
+        if len(batch) > 1:
+            return [line for one in batch for line in run_batch(trainer, [one])]
+        return run_batch(trainer, batch)  # returns [] once the turn is quarantined
+    journal.applied()  # no step was taken (every turn skipped)
+    return lines
+
+
+def outside_vocab(turn: dict, vocab_size: int | None, choice: int | None = None) -> int | None:
+    """The first token id of TURN's prompt or completion CHOICE (default: the chosen one) that
+    is not below VOCAB_SIZE (None also for a record too malformed to say: its step raises, and
+    that is handled)."""
+    if vocab_size is None:
+        return None
+    try:
+        choice = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
+        return next((i for ids in (turn["prompt_ids"], choice["completion_ids"]) for i in ids
+                     if not 0 <= i < vocab_size), None)
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def turn_length(turn: dict, choice: int | None = None) -> int:
+    """Prompt + completion CHOICE ids of a turn record; 0 for one too malformed to say (its step
+    fails and the journal says why)."""
+    try:
+        choice = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
+        return len(turn["prompt_ids"]) + len(choice["completion_ids"])
+    except (KeyError, IndexError, TypeError):
+        return 0
