@@ -76,7 +76,7 @@ def main() -> None:
             during.append(timed(engine, short, 4, no_end))
             long_done.wait(args.every)
         ttft = time.perf_counter() - tic
-        stats = dict(engine.stats)
+        stats = engine.health()
     finally:
         engine.stop()
     idle_s, chunk_s = statistics.median(idle), stats["max_prefill_chunk_ms"] / 1000

@@ -43,7 +43,8 @@ from rlproxy.serving.engine import Engine, Job, SamplingParams
 from rlproxy.serving.model import load_serving_model, lora_weights
 from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.settings import load_settings
-from rlproxy.training.trainer import Trainer, training_copy
+from rlproxy.training.learner import training_copy
+from rlproxy.training.loop import Trainer
 
 KS = (1, 2, 4, 8)
 WORDS = ("read the file run the tests fix the failing import check the schema call the tool "
@@ -87,13 +88,13 @@ def train_versions(loaded, settings, rng: random.Random, steps: int, prompt_toke
     """[adapter after 0 steps, after 1, ...] from the real Trainer on random-reward turns."""
     trainer = Trainer(settings, training_copy(loaded), loaded.lora_config, engine=None,
                       data_dir=settings.records.data_dir)
-    versions = [dict(lora_weights(trainer.model))]
+    versions = [dict(lora_weights(trainer.learner.model))]
     for step in range(steps):
         batch = []
         for i in range(settings.trainer.batch_size):
             prompt = text_ids(loaded.tokenizer, rng, prompt_tokens)
             completion = text_ids(loaded.tokenizer, rng, 32)
-            logp = tail_logprobs(trainer.model, prefill(trainer.model, prompt[:-1]),
+            logp = tail_logprobs(trainer.learner.model, prefill(trainer.learner.model, prompt[:-1]),
                                  prompt[-1:] + completion)  # behaviour = current policy
             behaviour = mx.take_along_axis(logp, mx.array(completion)[:, None], axis=1)[:, 0]
             reward = rng.choice([-1.0, 1.0])
@@ -101,7 +102,7 @@ def train_versions(loaded, settings, rng: random.Random, steps: int, prompt_toke
                     "choices": [{"completion_ids": completion, "logprobs": behaviour.tolist()}]}
             batch.append({"turn": turn, "reward": reward, "advantages": [reward] * 32})
         trainer.train_batch(batch)
-        versions.append(dict(lora_weights(trainer.model)))
+        versions.append(dict(lora_weights(trainer.learner.model)))
         mx.eval(list(versions[-1].values()))
     trainer.writer.close()
     return versions
@@ -178,7 +179,7 @@ def serve_sessions(loaded, versions: list, lag: int, args, directory: Path) -> d
                                         if job.cached_version is not None else None),
                              "ttft_s": steps[0][0] - job.submitted_at})
                 sessions[s] = prompt + reply + text_ids(loaded.tokenizer, rng, 40)
-        counters = store.counters()
+        counters = store.health()
     finally:
         engine.stop()
         store.close()

@@ -49,7 +49,8 @@ from pathlib import Path
 import aiohttp
 
 from common import environment, percentile, proc_memory_mb, report
-from rlproxy.records import CONVERSATIONS, PENDING, load_pending, read_jsonl
+from rlproxy.paths import CONVERSATIONS, PENDING
+from rlproxy.records import load_pending, read_jsonl
 
 REWARD_MODULE = '''\
 """bench/soak.py's reward: share of even token ids in the reply, mapped to [-1, 1]."""

@@ -5,7 +5,7 @@ Trainer threads (no HTTP; no prefix cache except where said):
 
 1. Swap pause: a few requests decode continuously while this thread publishes new adapter
    versions (evaluated in advance) every 100 ms. Per swap: the engine's own time around
-   `model.update` (stats["last_swap_ms"]), and the extra pause it causes: the gap between the
+   `model.update` (stats.last_swap_ms), and the extra pause it causes: the gap between the
    engine step that applied it and the step before, minus the median gap of the 10 clean steps
    on either side. p50/p99 of both. Twice: without the prefix cache, and with it (the server's
    default), where a swap also digests the new adapter on the engine thread.
@@ -55,7 +55,9 @@ from rlproxy.kv.blobs import adapter_fingerprint
 from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.records import read_jsonl
 from rlproxy.settings import Settings, load_settings
-from rlproxy.training.trainer import TRAINING, Trainer, training_copy
+from rlproxy.paths import TRAINING
+from rlproxy.training.learner import training_copy
+from rlproxy.training.loop import Trainer
 
 PAUSE_GOAL_MS = 5.0  # extra decode pause caused by one swap, p50 and p99, at most
 DECODE_GOAL = 0.5  # decode tok/s while training at the default duty cycle / idle, at least
@@ -100,7 +102,7 @@ class Clients:
         for job in list(self._jobs.values()):
             self.engine.cancel(job)
         deadline = time.perf_counter() + 10
-        while self.engine.stats["active"] and time.perf_counter() < deadline:
+        while self.engine.stats.active and time.perf_counter() < deadline:
             time.sleep(0.01)
         if self.errors:
             raise RuntimeError(f"{len(self.errors)} requests failed, e.g. {self.errors[0]}")
@@ -114,8 +116,8 @@ class Clients:
 
     def _deliver(self, i: int, step) -> None:  # on the engine thread
         s = self.engine.stats
-        if not self.trace or self.trace[-1][1] != s["steps"]:
-            self.trace.append((time.perf_counter(), s["steps"], s["swaps"], s["last_swap_ms"]))
+        if not self.trace or self.trace[-1][1] != s.steps:
+            self.trace.append((time.perf_counter(), s.steps, s.swaps, s.last_swap_ms))
         if step.token is not None:
             self.tokens += 1
         if step.error is not None:
@@ -304,13 +306,13 @@ def decode_window(engine: Engine, loaded: LoadedModel, clients: Clients, turns: 
             # the window holds the duty cycle's share exactly. Step 1 (graph building) and the
             # pause after it, which is as long, are left out.
             wait(lambda: trainer.step >= 2)
-        tok0, t0, swaps0 = clients.tokens, time.perf_counter(), engine.stats["swaps"]
+        tok0, t0, swaps0 = clients.tokens, time.perf_counter(), engine.stats.swaps
         step0 = trainer.step if trainer else 0
         wait(lambda: time.perf_counter() - t0 >= window)
         if trainer is not None:
             reached = trainer.step
             wait(lambda: trainer.step > reached)
-        tok1, t1, swaps1 = clients.tokens, time.perf_counter(), engine.stats["swaps"]
+        tok1, t1, swaps1 = clients.tokens, time.perf_counter(), engine.stats.swaps
         step1 = trainer.step if trainer else 0
     finally:
         if trainer is not None:
@@ -440,7 +442,7 @@ def summary_lines(result: dict) -> list[str]:
     for p in (result["swap_pause"], result["swap_pause_prefix_cache"]):
         name = "swap, prefix cache on" if p["prefix_cache"] else "swap, no prefix cache"
         lines += [
-            f"{name}: engine's stats['last_swap_ms'] p50 {p['engine_swap_ms']['p50']:.2f} ms, "
+            f"{name}: engine's stats.last_swap_ms p50 {p['engine_swap_ms']['p50']:.2f} ms, "
             f"p99 {p['engine_swap_ms']['p99']:.2f} ms ({p['swap_steps_measured']} steps applying "
             f"{p['swaps_applied_while_decoding']} swaps of {p['adapter_arrays']} arrays / "
             f"{p['adapter_parameters']} parameters, {p['clients']} requests decoding)"

@@ -16,13 +16,14 @@ if TYPE_CHECKING:
     import diskcache
     from prometheus_client import CollectorRegistry
 
+    from rlproxy.api.edge import Admission
     from rlproxy.ops.ui.index import RecordIndex
     from rlproxy.scoring.scorer import Scorer
     from rlproxy.serving.engine import Engine
     from rlproxy.serving.model import LoadedModel
     from rlproxy.sessions.store import SessionStore
     from rlproxy.settings import Settings
-    from rlproxy.training.trainer import Trainer
+    from rlproxy.training.loop import Trainer
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 MODEL: web.AppKey[LoadedModel] = web.AppKey("model")
@@ -34,4 +35,5 @@ TRAINER: web.AppKey[Trainer] = web.AppKey("trainer")  # absent with --no-train
 RESPONSES: web.AppKey[diskcache.Cache] = web.AppKey("responses")  # api/response_store.py
 METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")  # what GET /metrics exposes
 RECORD_INDEX: web.AppKey[RecordIndex] = web.AppKey("record_index")  # the dashboard's records
+ADMISSION: web.AppKey[Admission] = web.AppKey("admission")  # generation requests let in
 LIVE: web.AppKey[deque] = web.AppKey("live")  # the dashboard's recent rates (ops/ui/views.py)

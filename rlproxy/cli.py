@@ -51,7 +51,8 @@ def format_turn(r: dict) -> str:
 
 
 def records_tail(args: argparse.Namespace) -> int:
-    from rlproxy.records import CONVERSATIONS, follow_jsonl, read_jsonl
+    from rlproxy.paths import CONVERSATIONS
+    from rlproxy.records import follow_jsonl, read_jsonl
 
     settings = load_settings({"data_dir": args.data_dir})
     path = settings.records.data_dir / CONVERSATIONS
@@ -84,7 +85,10 @@ def fuse_cmd(args: argparse.Namespace) -> int:
 def train_cmd(args: argparse.Namespace) -> int:
     """Retrain from recorded turns and scores with the live trainer's code path."""
     from rlproxy.serving.model import load_serving_model
-    from rlproxy.training.trainer import Trainer, released_turns, training_copy
+    from rlproxy.training.items import released_turns
+    from rlproxy.training.learner import training_copy
+    from rlproxy.lru import LRU
+    from rlproxy.training.loop import Trainer
 
     source = Path(args.source)
     flags = flags_from(args)
@@ -103,7 +107,7 @@ def train_cmd(args: argparse.Namespace) -> int:
     out = settings.records.data_dir
     trainer = Trainer(settings, training_copy(loaded), loaded.lora_config, data_dir=out,
                       vocab_size=loaded.vocab_size)
-    trainer.trained = set()  # retrain everything, whatever an earlier run did
+    trainer.trained = LRU()  # retrain everything, whatever an earlier run did
     size = settings.trainer.batch_size
     for start in progress.bar(range(0, len(turns) - size + 1, size), desc="training",
                               unit="batch"):

@@ -1,8 +1,10 @@
 """Every file and folder rlproxy keeps under its data directory (`--data-dir`), named once.
 
 Plain names relative to the data directory; callers join them (`data_dir / TRAINING`). Imports
-nothing, so the CLI, the dashboard and the tests can name files without loading MLX.
+nothing of rlproxy and no MLX, so the CLI, the dashboard and the tests can name files cheaply.
 """
+
+from pathlib import Path
 
 CONVERSATIONS = "conversations.jsonl"  # one line per served main turn (records.py)
 PENDING = "pending_turns.jsonl"  # turns waiting for their next state (sessions/store.py)
@@ -17,3 +19,12 @@ TINKER = "tinker"  # the Tinker API's runs and checkpoints (tinker/)
 # inside a checkpoint folder
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The `step_*` folders under ROOT (a CHECKPOINTS folder), oldest first: only those whose
+    last-written file (TRAINER_STATE) is there, so a save cut short is never listed."""
+    root = Path(root)
+    if not root.exists():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and (p / TRAINER_STATE).exists())

@@ -38,8 +38,6 @@ import orjson
 log = logging.getLogger("rlproxy.records")
 
 SCHEMA_VERSION = 1
-CONVERSATIONS = "conversations.jsonl"
-PENDING = "pending_turns.jsonl"
 
 
 def dumps_line(record: dict) -> bytes:

@@ -17,9 +17,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-
-from rlproxy.training.losses import LOSSES  # noqa: E402  (one list of loss names)
 from rlproxy.scoring.judging import STD_FLOOR  # noqa: E402  (the floor's default, documented there)
+
+# The policy losses (training/losses.py implements each): named here, where no MLX is loaded.
+LOSSES = ("ppo", "importance_sampling", "cispo", "dro", "cross_entropy")
 
 
 class Section(BaseModel):

@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 
 from rlproxy.demo import run as demo
 from rlproxy.serving.embedded_model import embedded_model_path
-from rlproxy.records import PENDING, load_pending
+from rlproxy.paths import PENDING
+from rlproxy.records import load_pending
 from conftest import read_records
 
 

@@ -57,20 +57,20 @@ def test_short_request_is_not_stuck_behind_a_long_prefill(engine, tiny):
     rng = random.Random(0)
     idle = statistics.median(short_latency(engine, tiny, rng) for _ in range(3))
     long_prompt = [rng.randrange(10, 1300) for _ in range(6000)]  # 12 chunks of 512
-    chunks = engine.stats["prefill_chunks"]
+    chunks = engine.stats.prefill_chunks
     tic = time.perf_counter()
     job, done, steps = submit(engine, long_prompt, 1, temperature=0.0)
-    while engine.stats["prefill_chunks"] < chunks + 2:  # well into its prefill
+    while engine.stats.prefill_chunks < chunks + 2:  # well into its prefill
         time.sleep(0.005)
     during = short_latency(engine, tiny, rng)
     assert not done.is_set(), "the long prompt finished first: nothing was measured"
     assert done.wait(120)
     long_total = time.perf_counter() - tic
-    chunk = engine.stats["max_prefill_chunk_ms"] / 1000
+    chunk = engine.stats.max_prefill_chunk_ms / 1000
     bound = 2 * idle + chunk
     print(f"idle {idle:.3f}s, during a long prefill {during:.3f}s, bound {bound:.3f}s "
           f"(longest chunk {chunk:.3f}s), long prompt {long_total:.2f}s")
-    assert engine.stats["prefill_chunks"] - chunks >= 11  # it was prefilled a chunk at a time
+    assert engine.stats.prefill_chunks - chunks >= 11  # it was prefilled a chunk at a time
     assert during <= 1.5 * bound + 0.2  # margin for the shared CPU
     assert during < long_total / 3  # far from waiting for the whole prefill
 
@@ -89,12 +89,12 @@ def test_short_request_is_not_stuck_behind_a_long_prefill(engine, tiny):
 
 def test_a_cancelled_prefill_leaves_the_engine_serving(engine, tiny):
     rng = random.Random(1)
-    chunks = engine.stats["prefill_chunks"]
+    chunks = engine.stats.prefill_chunks
     job, done, steps = submit(engine, [rng.randrange(10, 1300) for _ in range(4000)], 4)
-    while engine.stats["prefill_chunks"] < chunks + 1:
+    while engine.stats.prefill_chunks < chunks + 1:
         time.sleep(0.005)
     engine.cancel(job)
     short_latency(engine, tiny, rng)  # served as usual
     time.sleep(0.2)
     assert steps == [] and job.done
-    assert engine.stats["active"] == 0 and not engine.busy()
+    assert engine.stats.active == 0 and not engine.busy()

@@ -21,7 +21,7 @@ import pytest
 from rlproxy.serving.engine import Engine
 from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import ModelSettings
-from rlproxy.training.trainer import Trainer, training_copy
+from rlproxy.training.loop import Trainer, training_copy
 from conftest import make_settings, read_records
 from test_guard import byte_reward, sample
 

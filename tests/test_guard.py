@@ -22,7 +22,7 @@ from rlproxy.training.checkpoints import latest_checkpoint
 from rlproxy.serving.model import load_serving_model, lora_weights
 from rlproxy.training.schedule import lr_at
 from rlproxy.settings import ModelSettings, TrainerSettings
-from rlproxy.training.trainer import Trainer, training_copy
+from rlproxy.training.loop import Trainer, training_copy
 from conftest import make_settings, read_records
 from test_chunked_grad import first_token_s
 from test_trainer import sample  # the engine's own samples, token ids and log-probs
@@ -97,7 +97,7 @@ def round_of(trainer, engine, prompts, reward_fn, seed):
     trainer.train_journaled(batch)
     trainer._done(batch)
     if trainer.gate.due:
-        return trainer.gate.check()
+        return trainer.evaluate()
     return None
 
 
@@ -153,6 +153,25 @@ def test_the_verdict_names_every_reason():
                                     "distinct_share": 0.05}, TrainerSettings()) is None
 
 
+def test_an_eval_reward_call_returns_raises_or_gives_up_at_its_time_limit():
+    """The gate calls each eval reward function on a thread of its own (scoring/rewards.py, as
+    the scorer does): a raise or a hang past reward_timeout_s gives that sample no reward, and
+    a hung function never holds the trainer."""
+    import threading
+
+    from rlproxy.scoring.rewards import Overran, call_with_timeout
+
+    assert call_with_timeout(lambda x: x + 1, (1,), 5.0, "t") == 2
+    with pytest.raises(ZeroDivisionError):
+        call_with_timeout(lambda: 1 / 0, (), 5.0, "t")
+    release = threading.Event()
+    tic = time.perf_counter()
+    with pytest.raises(Overran):
+        call_with_timeout(release.wait, (30,), 0.2, "t")
+    assert time.perf_counter() - tic < 5
+    release.set()
+
+
 def test_eval_prompts_are_read_and_a_bad_line_is_named(own, tmp_path):
     path = eval_file(tmp_path, 2)
     got = eval_gate.load_eval_prompts(path, own.tokenizer)
@@ -171,17 +190,18 @@ def test_a_refused_candidate_restores_the_good_state_and_a_passed_one_is_served(
     engine, trainer, prompts = make(tmp_path, own, learning_rate=1e-3, eval_every=2,
                                     max_kl=1e-9, warmup_steps=4)
     try:
-        good = {k: mx.array(v) for k, v in lora_weights(trainer.model).items()}
+        good = {k: mx.array(v) for k, v in lora_weights(trainer.learner.model).items()}
         assert round_of(trainer, engine, prompts, byte_reward, 0) is None  # 1 step: not due
         assert trainer.baseline_n == 8 and engine.adapter_version == 0
         line = round_of(trainer, engine, prompts, byte_reward, 1)
         assert not line["passed"] and "max_kl" in line["refused"]
         assert line["probes"] == 4 and line["positions"] > 0 and line["units"] > 0
-        for k, v in lora_weights(trainer.model).items():
+        for k, v in lora_weights(trainer.learner.model).items():
             assert mx.array_equal(v, good[k]).item(), k
-        assert int(trainer.optimizer.state["step"].item()) == 0  # the schedule starts over
+        learner = trainer.learner
+        assert int(learner.optimizer.state["step"].item()) == 0  # the schedule starts over
         assert (trainer.baseline, trainer.baseline_n) == (0.0, 0)
-        assert trainer.lr_scale == 0.5 and trainer.learning_rate() == lr_at(0, trainer.t, 0.5)
+        assert learner.lr_scale == 0.5 and learner.learning_rate() == lr_at(0, trainer.t, 0.5)
         assert (trainer.step, trainer.version, engine.adapter_version) == (3, 2, 0)
         rollback = read_records(tmp_path, "training.jsonl")[-1]
         assert rollback["kind"] == "rollback" and rollback["gate"] and rollback["step"] == 3
@@ -212,8 +232,8 @@ def test_a_refused_candidate_restores_the_good_state_and_a_passed_one_is_served(
                     tokenizer=own.tokenizer)
     try:
         assert again.resume().name == "step_000005"
-        assert again.lr_scale == 0.5 and again.gate.served_version == 4
-        assert refused and refused <= again.trained
+        assert again.learner.lr_scale == 0.5 and again.gate.served_version == 4
+        assert refused and refused <= set(again.trained)
     finally:
         again.stop()
         engine.stop()
@@ -242,7 +262,7 @@ def test_a_degenerate_reward_is_refused_rolled_back_and_training_pauses(own, tmp
                 break
         served_after = statistics.mean(fresh_reward(engine, prompts, diversity, 10**6))
         served = lora_weights(own.model)
-        for k, v in lora_weights(trainer.model).items():  # the model was rolled back
+        for k, v in lora_weights(trainer.learner.model).items():  # the model was rolled back
             assert mx.array_equal(v, served[k]).item(), k
     finally:
         trainer.stop()
@@ -333,13 +353,13 @@ def test_an_evaluation_does_not_hold_a_request_arriving_during_it(own, tmp_path)
 
     def evaluate():
         with mlx_thread():
-            lines.append(trainer.gate.check())
+            lines.append(trainer.evaluate())
 
     try:
         idle = min(first_token_s(engine) for _ in range(3))
         worker = threading.Thread(target=evaluate)
         worker.start()
-        while trainer.units["units"] < 10:  # well inside it (4 prefills of ~47 units each)
+        while trainer.pacer.units["units"] < 10:  # well inside it (4 prefills of ~47 units each)
             time.sleep(0.01)
         busy = first_token_s(engine)
         assert worker.is_alive()  # the evaluation was still running

@@ -65,7 +65,7 @@ def test_ten_concurrent_repeats_generate_one_turn(server, streams):
     sid, rid = f"idem-{len(set(streams))}-{streams[0]}", f"rid-{time.monotonic_ns()}"
     headers = {"X-Session-Id": sid, "X-Request-Id": rid}
     url = server.base_url + "/chat/completions"
-    generated = server.app[ENGINE].stats["requests"]
+    generated = server.app[ENGINE].stats.requests
 
     async def fire():
         async with aiohttp.ClientSession() as http:
@@ -76,7 +76,7 @@ def test_ten_concurrent_repeats_generate_one_turn(server, streams):
     assert [r["status"] for r in results] == [200] * 10, results
     assert sum(not r["replay"] for r in results) == 1, results
     assert len({r["text"] for r in results}) == 1, results
-    assert server.app[ENGINE].stats["requests"] - generated == 1
+    assert server.app[ENGINE].stats.requests - generated == 1
     assert len(recorded(server, sid, rid)) == 1
 
 
@@ -85,7 +85,7 @@ def test_dropped_attempt_is_run_again_by_exactly_one_repeat(server, first_stream
     sid, rid = f"drop-{first_streams}", f"rid-{time.monotonic_ns()}"
     headers = {"X-Session-Id": sid, "X-Request-Id": rid}
     url = server.base_url + "/chat/completions"
-    generated = server.app[ENGINE].stats["requests"]
+    generated = server.app[ENGINE].stats.requests
     engine = server.app[ENGINE]
 
     async def scenario():
@@ -93,7 +93,7 @@ def test_dropped_attempt_is_run_again_by_exactly_one_repeat(server, first_stream
             # the first attempt: long, dropped by its client part way through
             first = asyncio.create_task(http.post(
                 url, json=body(server, first_streams, 4000, long=True), headers=headers))
-            while engine.stats["active"] == 0:  # it is generating
+            while engine.stats.active == 0:  # it is generating
                 await asyncio.sleep(0.01)
             repeats = [asyncio.create_task(post(http, url, body(server, s, 24), headers))
                        for s in (True, False, True, False, True)]
@@ -109,7 +109,7 @@ def test_dropped_attempt_is_run_again_by_exactly_one_repeat(server, first_stream
     assert [r["status"] for r in results] == [200] * 5, results
     assert sum(not r["replay"] for r in results) == 1, results  # one ran anew, four waited
     assert len({r["text"] for r in results}) == 1, results
-    assert server.app[ENGINE].stats["requests"] - generated == 2  # the dropped one + one
+    assert server.app[ENGINE].stats.requests - generated == 2  # the dropped one + one
     turns = recorded(server, sid, rid)
     assert len(turns) == 1 and turns[0]["sampling"]["max_tokens"] == 24
 

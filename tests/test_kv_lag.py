@@ -74,7 +74,7 @@ def test_lagged_prefix_is_reused_and_bounded(changing, tmp_path):
         steps, job = run(e, prompt)
         assert (job.cached_tokens, job.cached_version) == (len(stored), 0)
         assert steps[0].token.adapter_version == 1
-        c = e.cache.counters()
+        c = e.cache.health()
         assert (c["hits_stale"], c["cached_tokens_stale"]) == (1, len(stored))
         # The KV really is version 0's: the log-prob of a v0 prefix + v1 rest, not exact v1's.
         ref = load_serving_model(ModelSettings(model="tiny")).model
@@ -91,7 +91,7 @@ def test_lagged_prefix_is_reused_and_bounded(changing, tmp_path):
         assert (job.cached_tokens, job.cached_version) == (len(longer) - 10, 0)
         publish(e.engine, adapters[3], 3)
         e.cache.flush()
-        c = e.cache.counters()
+        c = e.cache.health()
         assert "0" not in c["entries_by_version"] and c["evicted_stale"] >= 1
         assert c["servable_versions"] == [3, 2, 1]
         _, job = run(e, longer)  # so no token's KV is ever more than 2 versions old
@@ -110,10 +110,10 @@ def test_eviction_keeps_the_window(changing, tmp_path):
         publish(e.engine, adapters[1], 1)
         steps, job = run(e, b)  # a fresh prompt under v1: its own entry
         assert job.cached_tokens == 0
-        assert e.cache.counters()["entries_by_version"] == {"0": 1, "1": 1}
+        assert e.cache.health()["entries_by_version"] == {"0": 1, "1": 1}
         publish(e.engine, adapters[2], 2)
         e.cache.flush()
-        assert e.cache.counters()["entries_by_version"] == {"1": 1}  # v0 left the window
+        assert e.cache.health()["entries_by_version"] == {"1": 1}  # v0 left the window
         b_next = b + [s.token.id for s in steps]
         _, job = run(e, b_next + [7])
         assert (job.cached_version, job.cached_tokens) == (1, len(b_next))
@@ -148,7 +148,7 @@ def test_swap_during_a_job_files_its_kv_under_the_older_version(changing, tmp_pa
                 threading.Event().wait(0.05)
             e.cache.flush()
             assert {s.token.adapter_version for s in steps} == {0, 1}, "no swap mid-job"
-            c = e.cache.counters()
+            c = e.cache.health()
             assert c["entries_by_version"] == want
             assert c["not_stored_stale"] == (0 if lag else 1)
             assert job.done
@@ -226,7 +226,7 @@ def test_a_rollback_starts_a_new_lineage(changing, tmp_path):
     the adapters served since, so their KV is not reused under it (nor the old one's: it is a
     new lineage), while an ordinary step after the rollback links to it again."""
     from rlproxy.training.checkpoints import save_checkpoint
-    from rlproxy.training.trainer import Trainer, training_copy
+    from rlproxy.training.loop import Trainer, training_copy
 
     loaded, adapters = changing
     rng = random.Random(6)
@@ -235,8 +235,8 @@ def test_a_rollback_starts_a_new_lineage(changing, tmp_path):
     trainer = Trainer(make_settings(tmp_path, train=True), training_copy(loaded),
                       loaded.lora_config, engine=e.engine, data_dir=tmp_path)
     try:
-        checkpoint = save_checkpoint(trainer.checkpoints, 1, 1, adapters[3],
-                                     trainer.optimizer.state, loaded.lora_config, {}, 3)
+        checkpoint = save_checkpoint(trainer.learner.checkpoints, 1, 1, adapters[3],
+                                     trainer.learner.optimizer.state, loaded.lora_config, {}, 3)
         for v in (1, 2):
             publish(e.engine, adapters[v], v)
             steps, _ = run(e, a)

@@ -99,7 +99,7 @@ def test_feedback_on_held_released_and_forgotten_turns():
                                               Release("f2", -1.0, "session_closed"),
                                               Release("f3", -1.0, "session_closed")]
     assert led.feedback("f1", -1.0) == ("rescored", [Release("f1", -1.0, "feedback")])
-    assert led.done["f1"] == -1.0
+    assert led.done.peek("f1") == -1.0
 
 
 def test_feedback_that_makes_a_session_positive_cancels_the_lift():

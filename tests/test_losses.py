@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from rlproxy.serving.logprobs import token_logprobs
 from rlproxy.training import losses
 
 TOL = 1e-5
@@ -281,7 +282,7 @@ def test_unknown_loss_is_a_value_error_naming_the_choices():
         assert name in str(err.value)
 
 
-# ---- token_logprobs ----
+# ---- token_logprobs (serving/logprobs.py: the log-probs the losses take) ----
 
 # vocab 7, width 2; fixed weights so the log-softmax can be worked out by hand.
 EMB = [[0.5, -1.0], [1.0, 0.0], [0.0, 1.0], [-0.5, 0.5], [2.0, -0.5], [0.25, 0.25], [-1.0, -1.0]]
@@ -311,7 +312,7 @@ def hand_logprob(token_in: int, target: int) -> float:
 def test_token_logprobs_is_log_softmax_of_the_target():
     ids = [[0, 4, 2], [6, 6, 1]]
     targets = [[4, 2, 6], [6, 0, 3]]
-    got = losses.token_logprobs(Tiny(), mx.array(ids), mx.array(targets))
+    got = token_logprobs(Tiny(), mx.array(ids), mx.array(targets))
     assert got.shape == (2, 3) and got.dtype == mx.float32
     want = [[hand_logprob(i, t) for i, t in zip(ri, rt)] for ri, rt in zip(ids, targets)]
     assert got.tolist() == [approx(row) for row in want]
@@ -322,6 +323,6 @@ def test_token_logprobs_is_log_softmax_of_the_target():
 
 def test_token_logprobs_of_all_targets_sum_to_one():
     ids = mx.array([[3, 5]])
-    probs = [sum(math.exp(losses.token_logprobs(Tiny(), ids, mx.array([[v, v]]))[0, t].item())
+    probs = [sum(math.exp(token_logprobs(Tiny(), ids, mx.array([[v, v]]))[0, t].item())
                  for v in range(7)) for t in range(2)]
     assert probs == approx([1.0, 1.0])

@@ -28,7 +28,8 @@ import requests
 from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import ModelSettings
 from rlproxy.training.journal import JOURNAL
-from rlproxy.training.trainer import Trainer, released_turns, training_copy
+from rlproxy.training.items import released_turns
+from rlproxy.training.loop import Trainer, training_copy
 from conftest import ServerThread, make_settings, read_records
 from test_durability import free_port, read_lines, stop
 
@@ -306,7 +307,7 @@ def test_turns_trained_after_the_last_checkpoint_are_trained_again_after_a_kill(
     resumed = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
     try:
         assert resumed.resume().name == "step_000002" and resumed.step == 2
-        assert resumed.trained == {"a", "b"}
+        assert set(resumed.trained) == {"a", "b"}
         line = journal(tmp_path)[-1]
         assert (line["kind"], line["step"], line["lost_steps"], line["retrain"]) == \
             ("resumed", 2, 1, ["c"])
@@ -316,7 +317,7 @@ def test_turns_trained_after_the_last_checkpoint_are_trained_again_after_a_kill(
         resumed.stop()
     again = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
     try:  # stopped cleanly: step 3 saved, nothing to redo
-        assert again.resume().name == "step_000003" and again.trained == {"a", "b", "c"}
+        assert again.resume().name == "step_000003" and set(again.trained) == {"a", "b", "c"}
     finally:
         again.stop()
 
@@ -352,11 +353,11 @@ def test_a_failed_checkpoint_save_is_not_charged_to_the_turns(own, tmp_path):
     """The update is applied and published before the save: a full disk (here: checkpoints/
     is a file) costs the checkpoint, never a retrain or a quarantine."""
     t = offline_trainer(own, tmp_path, batch_size=2, save_interval=1)
-    t.checkpoints = tmp_path / "not-a-dir"
-    t.checkpoints.write_text("")
+    t.learner.checkpoints = tmp_path / "not-a-dir"
+    t.learner.checkpoints.write_text("")
     lines = t.train_journaled([make_scored(own, "a", [5, 6, 7]), make_scored(own, "b", [8, 9])])
     assert [ln["step"] for ln in lines] == [1] and steps_of(tmp_path) == [(1, ["a", "b"])]
-    assert (t.step, t.version, t.stats["save_errors"]) == (1, 1, 1)
+    assert (t.step, t.version, t.stats.save_errors) == (1, 1, 1)
     assert "checkpoint save failed" in t.error
     assert not t.journal.quarantined and not t.journal.failures
     assert [(ln["kind"], ln.get("ok")) for ln in journal(tmp_path)] == [
@@ -376,8 +377,8 @@ def test_a_later_epoch_failing_does_not_retrain_the_applied_update(own, tmp_path
     t.train_step = second_epoch_breaks
     t.train_journaled([make_scored(own, "a", [5, 6, 7]), make_scored(own, "b", [8, 9])])
     assert steps_of(tmp_path) == [(1, ["a", "b"])] and t.step == 1
-    assert not t.journal.quarantined and {"a", "b"} <= t.trained
-    assert t.stats["errors_after_update"] == 1 and "epoch 2 broke" in t.error
+    assert not t.journal.quarantined and {"a", "b"} <= set(t.trained)
+    assert t.stats.errors_after_update == 1 and "epoch 2 broke" in t.error
     t.stop()
 
 
@@ -401,7 +402,7 @@ def test_every_turn_failing_alike_pauses_training_instead_of_quarantining_all(ow
     def unsupported(*args, **kwargs):
         raise NotImplementedError("this model's layers are not supported")
 
-    t.loss_fn = unsupported
+    t.learner.loss_fn = unsupported
     for uid in "abcd":
         if not t.paused:
             t.train_journaled([make_scored(own, uid, [5, 6, 7])])
@@ -438,7 +439,7 @@ def test_an_update_for_a_waiting_turn_replaces_it_and_queued_is_pruned(own, tmp_
 
 
 def test_a_second_rollback_request_rejects_the_first(own, tmp_path):
-    from rlproxy.training.trainer import RollbackSuperseded
+    from rlproxy.training.control import RollbackSuperseded
 
     t = offline_trainer(own, tmp_path, save_interval=1000)
     first = t.request_rollback(tmp_path / "one")
@@ -466,9 +467,9 @@ def test_the_default_memory_budget_leaves_room_for_the_loaded_weights(own, tmp_p
     with_ref.stop()
     weights = sum(v.nbytes for _, v in tree_flatten(ref.parameters()))
     free = chunked_grad.physical_memory_bytes() - chunked_grad.SERVING_RESERVE
-    assert alone.memory_budget == int(0.75 * (free - weights))  # the same base: counted once
-    assert alone.memory_budget - with_ref.memory_budget in range(int(0.75 * weights) - 1,
-                                                                 int(0.75 * weights) + 2)
+    budget, budget_with_ref = alone.learner.memory_budget, with_ref.learner.memory_budget
+    assert budget == int(0.75 * (free - weights))  # the same base: counted once
+    assert budget - budget_with_ref in range(int(0.75 * weights) - 1, int(0.75 * weights) + 2)
 
 
 def test_the_step_estimate_covers_a_measured_kv_heavy_long_turn():

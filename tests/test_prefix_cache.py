@@ -98,8 +98,8 @@ def test_restored_prefix_matches_scratch(engines, case):
     got = engines.run(prompt)
     assert got[2] == expected
     assert_same(got, generate(engines.reference, prompt))
-    assert engines.cache.counters()["memory_hits"] == 1
-    assert engines.engine.stats["prefill_chunks"] == (case == "long_rest")
+    assert engines.cache.health()["memory_hits"] == 1
+    assert engines.engine.stats.prefill_chunks == (case == "long_rest")
 
 
 def test_queued_write_serves_the_next_turn(engines, monkeypatch):
@@ -112,7 +112,7 @@ def test_queued_write_serves_the_next_turn(engines, monkeypatch):
     tokens, _, _ = generate(engines.engine, p0)  # no flush: the write stays queued
     prompt = p0 + tokens + random_tokens(rng, 20)
     got = generate(engines.engine, prompt)
-    assert engines.cache.counters()["entries"] == 0  # not written yet ...
+    assert engines.cache.health()["entries"] == 0  # not written yet ...
     assert got[2] == len(p0) + len(tokens)  # ... and still a hit, from the queued write
     gate.set()
     engines.cache.flush()
@@ -146,7 +146,7 @@ def test_restart_reads_from_disk(tiny, tmp_path):
         got = second.run(prompt)
         assert got[2] == len(p0) + len(tokens)
         assert_same(got, generate(second.reference, prompt))
-        c = second.cache.counters()
+        c = second.cache.health()
         assert (c["disk_hits"], c["memory_hits"], c["corrupt"]) == (1, 0, 0)
     finally:
         second.close()
@@ -183,7 +183,7 @@ def test_disk_hit_loads_off_the_engine_thread(tiny, tmp_path):
         toc = time.perf_counter()
         e.engine.cancel(streaming)
         assert read_on and "rlproxy-engine" not in read_on
-        assert toc - tic >= 2.0 and e.cache.counters()["disk_hits"] == 1
+        assert toc - tic >= 2.0 and e.cache.health()["disk_hits"] == 1
         assert got[2] == len(p0) + len(tokens)
         during = [t for t in stamps if tic <= t <= toc]
         gaps = [b - a for a, b in zip(during, during[1:])]
@@ -226,8 +226,8 @@ def test_other_adapter_versions_are_never_used(tmp_path):
         publish(e.engine, v1, 1)
         reference.model.update(tree_unflatten(list(v1.items())))
         e.cache.flush()
-        assert e.cache.counters()["entries"] == 0  # version 0 can never be served again
-        assert e.cache.counters()["evicted_stale"] >= 1
+        assert e.cache.health()["entries"] == 0  # version 0 can never be served again
+        assert e.cache.health()["evicted_stale"] >= 1
         got = e.run(prompt)
         assert got[2] == 0
         want = generate(e.reference, prompt)
@@ -273,7 +273,7 @@ def test_corrupt_entry_is_ignored(tiny, tmp_path, damage):
         got = e.run(prompt)
         assert got[2] == 0
         assert_same(got, generate(e.reference, prompt))
-        c = e.cache.counters()
+        c = e.cache.health()
         assert (c["corrupt"], c["hits"]) == (1, 0)
         assert not any(f.exists() for f in files)  # deleted, not kept around
         assert e.run(prompt)[2] == len(prompt) - 1  # the fresh entry replaced it
@@ -293,13 +293,13 @@ def test_byte_limits_hold_under_distinct_prompts(tiny, tmp_path):
             prompts.append(random_tokens(rng, 150))
             tokens, _, _ = e.run(prompts[-1])
             prompts[-1] += tokens
-            c = e.cache.counters()
+            c = e.cache.health()
             on_disk = sum(f.stat().st_size for f in (tmp_path / "pc").rglob("*.val"))
             on_disk += (tmp_path / "pc" / "cache.db").stat().st_size
             assert on_disk <= disk_limit
             assert c["disk_bytes"] <= disk_limit
             assert c["memory_bytes"] <= memory_limit
-        c = e.cache.counters()
+        c = e.cache.health()
         assert c["stores"] == 12 and c["evicted_budget"] >= 8 and 1 <= c["entries"] <= 4
         assert c["bytes_written"] > 3 * disk_limit  # wrote far more than it kept
         assert e.run(prompts[-1] + [7])[2] == len(prompts[-1])  # the newest survived
@@ -316,14 +316,14 @@ def test_kv_quantization_shrinks_entries(tiny, tmp_path):
         e = Engines(tiny, tmp_path / f"pc{bits}", kv_bits=bits, kv_group_size=32)
         try:
             tokens, _, _ = e.run(p0)
-            sizes[bits] = e.cache.counters()["bytes_written"]
+            sizes[bits] = e.cache.health()["bytes_written"]
             prompt = p0 + tokens + random_tokens(rng, 20)
             got = e.run(prompt)
             assert got[2] == len(p0) + len(tokens)
             want = generate(e.reference, prompt)
             # Dequantized KV: close to scratch, not bit-equal.
             assert abs(got[1][0] - want[1][0]) < (TOL if bits is None else 0.05)
-            stored = e.cache.counters()["kv_quantization"]["stored_entries"]
+            stored = e.cache.health()["kv_quantization"]["stored_entries"]
             assert stored == (None if bits is None else
                               {"bits": 8, "group_size": 32, "quantized_kv_start": 0})
         finally:

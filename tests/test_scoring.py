@@ -365,7 +365,8 @@ def fake_turn(session: str, index: int, final: bool) -> dict:
 
 
 async def test_the_scorer_forgets_finished_sessions_and_reads_its_records_back(tmp_path):
-    from rlproxy.records import CONVERSATIONS, JsonlWriter
+    from rlproxy.paths import CONVERSATIONS
+    from rlproxy.records import JsonlWriter
     from rlproxy.scoring.scorer import Scorer
 
     settings = make_settings(tmp_path, judge=False, reward_functions=["test_scoring:minus_one"])
@@ -386,7 +387,7 @@ async def test_the_scorer_forgets_finished_sessions_and_reads_its_records_back(t
         while scorer.pending or len(released) < 40:
             assert time.time() < deadline, scorer.stats
             await asyncio.sleep(0.02)
-        assert scorer.stats["scored"] == 40 and len(released) == 40
+        assert scorer.stats.scored == 40 and len(released) == 40
         assert [r["reward"] for r in released if r["turn"]["index"] == 1] == [1.0] * 20
         # nothing of a finished session is kept but the bounded remainders
         assert scorer.ledger.tallies == {} and scorer.held == {}
@@ -412,7 +413,7 @@ async def test_the_scorer_forgets_finished_sessions_and_reads_its_records_back(t
     try:
         assert scorer.queue.empty() and scorer.pending == 0 and scorer.ledger.tallies == {}
         assert set(scorer.recent) == {"s18-1", "s19-0", "s19-1"}
-        assert scorer.ledger.done["s19-0"] == 0.5 and scorer.ledger.done["s17-0"] == 0.5
+        assert scorer.ledger.done.peek("s19-0") == 0.5 and scorer.ledger.done.peek("s17-0") == 0.5
         assert scorer.ledger.settle() == []
     finally:
         scorer.close()

@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import asdict
 
 import pytest
 import requests
 
 from rlproxy.api.tags import TurnTags
 from rlproxy.appkeys import SCORER, SESSIONS
-from rlproxy.sessions.store import SessionStore, Turn, sweep_idle_forever
+from rlproxy.sessions.store import SessionStore, sweep_idle_forever
+from rlproxy.sessions.turn import Turn
 
 from conftest import ServerThread, make_settings, read_records
 
@@ -54,7 +56,9 @@ def test_past_the_cap_the_longest_idle_session_is_evicted(tmp_path):
                       user("a") + [{"role": "assistant", "content": "ok"}] + user("more"))
     file_turn(store, TurnTags(session_id="d"), user("d"))
     assert list(store.open) == ["c", "a", "d"]
-    assert store.find("b").closed == "evicted" and store.stats["evicted"] == 1
+    assert store.find("b").closed == "evicted" and store.stats.evicted == 1
+    assert asdict(store.stats) == {"idle_closed": 0, "evicted": 1}
+    assert store.health() == {"open": 3, "awaiting_next_state": 3}  # c, a, d: one pending each
     store.flushed().result(timeout=30)
     records = by_uid(tmp_path)
     # b's pending turn is handled like an idle close: recorded, no next state, to the scorer
@@ -65,6 +69,21 @@ def test_past_the_cap_the_longest_idle_session_is_evicted(tmp_path):
     back = file_turn(store, TurnTags(session_id="b"), user("b again"))
     assert back.index == 1 and "c" not in store.open  # c was the longest idle now
     assert again.index == 1
+    store.close()
+
+
+def test_only_the_latest_closed_sessions_continue_their_numbering(tmp_path, monkeypatch):
+    """A reopened session continues its turn numbering while its id is among the last
+    KEEP_CLOSED_IDS closed; older ones are forgotten (and start again at 0)."""
+    import rlproxy.sessions.store as sessions
+
+    monkeypatch.setattr(sessions, "KEEP_CLOSED_IDS", 2)
+    store = SessionStore(tmp_path, idle_timeout_s=3600, fsync=False)
+    for sid in "abc":
+        file_turn(store, TurnTags(session_id=sid), user(sid))
+        store.end(sid, "ended")
+    assert file_turn(store, TurnTags(session_id="a"), user("a again")).index == 0
+    assert file_turn(store, TurnTags(session_id="c"), user("c again")).index == 1
     store.close()
 
 
@@ -97,7 +116,7 @@ def test_closing_thousands_of_idle_sessions_leaves_healthz_quick(server, tmp_pat
     finally:
         sweeper.cancel()
     sweep_s = time.perf_counter() - tic
-    assert store.stats["idle_closed"] == n
+    assert store.stats.idle_closed == n
     # Held in one piece, the loop would answer at most the one /healthz sent before the sweep
     # began, once it ended; in slices it answers all along. (Relative figures: other programs
     # on a loaded machine slow every answer alike.)
@@ -178,9 +197,9 @@ def test_x_rl_train_header_over_http(server):
 async def test_kept_responses_stay_within_their_byte_budget(tmp_path, monkeypatch):
     """Kept X-Request-Id responses (streams with logprobs run to megabytes) are bounded in
     bytes as well as in number: the oldest go first, the newest is always kept."""
-    import rlproxy.sessions.store as sessions
+    import rlproxy.sessions.replay as replay
 
-    monkeypatch.setattr(sessions, "KEEP_RESPONSES_BYTES", 10_000)
+    monkeypatch.setattr(replay, "KEEP_RESPONSES_BYTES", 10_000)
     store = SessionStore(tmp_path, 60.0, fsync=False)
     try:
         for i in range(20):

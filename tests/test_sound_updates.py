@@ -14,12 +14,13 @@ import mlx.core as mx
 import pytest
 
 from rlproxy.training import degeneracy
-from rlproxy.training import losses
 from rlproxy.scoring import judging as scoring
 from rlproxy.serving.engine import Engine
 from rlproxy.serving.model import load_serving_model, lora_weights
 from rlproxy.settings import ModelSettings, TrainerSettings
-from rlproxy.training.trainer import Trainer, no_signal, training_copy
+from rlproxy.serving.logprobs import token_logprobs
+from rlproxy.training.examples import no_signal
+from rlproxy.training.loop import Trainer, training_copy
 from conftest import make_settings, read_records
 from test_trainer import sample, scored, setup
 
@@ -49,11 +50,11 @@ def group_items(prompt, completions, rewards, mode="group", std_floor=scoring.ST
 
 
 def weights(trainer) -> dict:
-    return {k: mx.array(v) for k, v in lora_weights(trainer.model).items()}
+    return {k: mx.array(v) for k, v in lora_weights(trainer.learner.model).items()}
 
 
 def unchanged(before: dict, trainer) -> bool:
-    return all(mx.array_equal(v, lora_weights(trainer.model)[k]).item()
+    return all(mx.array_equal(v, lora_weights(trainer.learner.model)[k]).item()
                for k, v in before.items())
 
 
@@ -88,7 +89,7 @@ def test_a_batch_of_equal_rewards_takes_no_step_and_publishes_nothing(own, tmp_p
     try:
         trainer.train_journaled([scored(prompt, *s) for s in sample(engine, prompt, 8, 0)])
         assert (trainer.step, trainer.version) == (1, 1)
-        before, updates = weights(trainer), int(trainer.optimizer.state["step"].item())
+        before, updates = weights(trainer), int(trainer.learner.optimizer.state["step"].item())
         batch = (group_items(prompt, sample(engine, prompt, 4, 10), [0.5] * 4)
                  + group_items(prompt, sample(engine, prompt, 4, 20), [-1.0] * 4))
         assert all(a == 0.0 for s in batch for a in s["advantages"])
@@ -97,11 +98,11 @@ def test_a_batch_of_equal_rewards_takes_no_step_and_publishes_nothing(own, tmp_p
         assert trainer.train_journaled(batch) == []
         trainer._done(batch)
         assert unchanged(before, trainer)
-        assert int(trainer.optimizer.state["step"].item()) == updates
+        assert int(trainer.learner.optimizer.state["step"].item()) == updates
         assert (trainer.step, trainer.version) == (1, 1)
-        assert trainer.stats["skipped_steps"] == 1 and trainer.stats["skipped"] == 8
+        assert trainer.stats.skipped_steps == 1 and trainer.stats.skipped == 8
         keys = [s["key"] for s in batch]
-        assert not trainer.queued & set(keys) and set(keys) <= trainer.trained
+        assert not trainer.queued & set(keys) and set(keys) <= set(trainer.trained)
         skipped = read_records(tmp_path, "training.jsonl")[-1]
         assert skipped["kind"] == "skipped" and sorted(skipped["uids"]) == sorted(keys)
         assert "every advantage of its 8 turns is 0" in skipped["reason"]
@@ -115,7 +116,7 @@ def test_a_batch_of_equal_rewards_takes_no_step_and_publishes_nothing(own, tmp_p
         trainer.stop()
         engine.stop()
     again = Trainer(settings, training_copy(own), own.lora_config, None, data_dir=tmp_path)
-    assert set(keys) <= again.trained
+    assert set(keys) <= set(again.trained)
     again.stop()
 
 
@@ -224,7 +225,7 @@ def collapse_gated(loaded, tmp_path, target: str, steps: int, **flags):
                 "choices": [{"completion_ids": ids, "logprobs": [-1.0] * len(ids)}]}
         trainer.train_journaled([{"turn": turn, "reward": None, "advantages": [0.0] * len(ids)}])
     assert trainer.gate.due
-    return engine, trainer, trainer.gate.check()
+    return engine, trainer, trainer.evaluate()
 
 
 def assert_rolled_back(engine, trainer, line, tmp_path, served: dict):
@@ -252,7 +253,7 @@ def test_the_gate_rolls_back_a_candidate_collapsed_onto_newlines(own, tmp_path):
 def behaviour_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
     """The model's own log-probs of IDS after PROMPT: the turn is on-policy."""
     seq = mx.array(prompt + ids)[None]
-    return losses.token_logprobs(model, seq[:, :-1], seq[:, 1:])[0, len(prompt) - 1:].tolist()
+    return token_logprobs(model, seq[:, :-1], seq[:, 1:])[0, len(prompt) - 1:].tolist()
 
 
 @pytest.mark.real_model
@@ -268,10 +269,10 @@ def test_real_model_equal_rewards_leave_the_adapter_and_its_version(real, tmp_pa
     try:
         trainer.train_journaled(group_items(prompt, completions, [1.0, -1.0]))
         assert trainer.version == 1  # AdamW now has momentum
-        before, updates = weights(trainer), int(trainer.optimizer.state["step"].item())
+        before, updates = weights(trainer), int(trainer.learner.optimizer.state["step"].item())
         assert trainer.train_journaled(group_items(prompt, completions, [0.3, 0.3])) == []
         assert unchanged(before, trainer) and trainer.version == 1
-        assert int(trainer.optimizer.state["step"].item()) == updates
+        assert int(trainer.learner.optimizer.state["step"].item()) == updates
         assert read_records(tmp_path, "training.jsonl")[-1]["kind"] == "skipped"
     finally:
         trainer.stop()

@@ -16,11 +16,12 @@ import pytest
 import requests
 from mlx.utils import tree_flatten
 
-from rlproxy.training.checkpoints import complete_checkpoints, latest_checkpoint
+from rlproxy.paths import complete_checkpoints
+from rlproxy.training.checkpoints import latest_checkpoint
 from rlproxy.serving.engine import Engine, Job, SamplingParams
 from rlproxy.serving.model import load_serving_model, lora_weights
 from rlproxy.settings import ModelSettings
-from rlproxy.training.trainer import Trainer, training_copy
+from rlproxy.training.loop import Trainer, training_copy
 from conftest import ServerThread, make_settings, read_records
 
 PROMPT_MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -80,10 +81,10 @@ def setup(own, tmp_path, **flags):
 def test_training_changes_lora_only_and_checkpoints_open_in_mlx_lm(own, tmp_path):
     settings, engine, trainer, prompt = setup(own, tmp_path)
     try:
-        before = {k: mx.array(v) for k, v in tree_flatten(trainer.model.parameters())}
+        before = {k: mx.array(v) for k, v in tree_flatten(trainer.learner.model.parameters())}
         for step in range(3):
             trainer.train_batch([scored(prompt, *s) for s in sample(engine, prompt, 8, step)])
-        after = dict(tree_flatten(trainer.model.parameters()))
+        after = dict(tree_flatten(trainer.learner.model.parameters()))
         lora = {k for k in before if "lora_" in k}
         assert lora and len(lora) < len(before)
         for k, v in before.items():
@@ -97,15 +98,15 @@ def test_training_changes_lora_only_and_checkpoints_open_in_mlx_lm(own, tmp_path
         while engine.adapter_version < 3 and time.time() < deadline:
             time.sleep(0.05)
         assert engine.adapter_version == 3 == trainer.version
-        for k, v in lora_weights(trainer.model).items():
+        for k, v in lora_weights(trainer.learner.model).items():
             assert mx.array_equal(v, lora_weights(own.model)[k]).item()
         # checkpoint at step 3 (save_interval=3): mlx-lm opens it and gives the same logits
         ckpt = latest_checkpoint(tmp_path / "checkpoints")
         assert ckpt is not None and ckpt.name == "step_000003"
         model, _ = mlx_lm.load(own.source, adapter_path=str(ckpt))
         ids = mx.array(prompt + [5, 17, 300])[None]
-        trainer.model.eval()
-        assert mx.allclose(model(ids), trainer.model(ids), atol=1e-4).item()
+        trainer.learner.model.eval()
+        assert mx.allclose(model(ids), trainer.learner.model(ids), atol=1e-4).item()
         lines = read_records(tmp_path, "training.jsonl")
         assert [ln["step"] for ln in lines] == [1, 2, 3]
         assert [ln["adapter_version"] for ln in lines] == [1, 2, 3]
@@ -120,8 +121,8 @@ def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(own, tm
     try:
         for step in range(3):
             trainer.train_batch([scored(prompt, *s) for s in sample(engine, prompt, 8, step)])
-        saved_opt = dict(tree_flatten(trainer.optimizer.state))
-        saved_lora = lora_weights(trainer.model)
+        saved_opt = dict(tree_flatten(trainer.learner.optimizer.state))
+        saved_lora = lora_weights(trainer.learner.model)
     finally:
         trainer.stop()
         engine.stop()
@@ -133,12 +134,12 @@ def test_resume_continues_at_the_same_step_with_the_same_optimizer_state(own, tm
     try:
         assert resumed.resume().name == "step_000003"
         assert (resumed.step, resumed.version) == (3, 3)
-        opt = dict(tree_flatten(resumed.optimizer.state))
+        opt = dict(tree_flatten(resumed.learner.optimizer.state))
         assert set(opt) == set(saved_opt)
         for k, v in saved_opt.items():
             assert mx.allclose(v, opt[k]).item(), k
         for k, v in saved_lora.items():
-            assert mx.array_equal(v, lora_weights(resumed.model)[k]).item(), k
+            assert mx.array_equal(v, lora_weights(resumed.learner.model)[k]).item(), k
         deadline = time.time() + 5
         while engine.adapter_version != 3 and time.time() < deadline:
             time.sleep(0.05)
@@ -231,10 +232,10 @@ def test_qlora_trains_lora_over_a_quantized_frozen_base(tmp_path):
     assert type(own.model.layers[0].self_attn.q_proj.linear).__name__ == "QuantizedLinear"
     _, engine, trainer, prompt = setup(own, tmp_path, quantize_bits=8)
     try:
-        before = {k: mx.array(v) for k, v in tree_flatten(trainer.model.parameters())}
+        before = {k: mx.array(v) for k, v in tree_flatten(trainer.learner.model.parameters())}
         for step in range(3):
             trainer.train_batch([scored(prompt, *s) for s in sample(engine, prompt, 8, step)])
-        after = dict(tree_flatten(trainer.model.parameters()))
+        after = dict(tree_flatten(trainer.learner.model.parameters()))
         changed = {k for k in before if not mx.array_equal(before[k], after[k]).item()}
         lora = {k for k in before if "lora_" in k}
         assert changed == lora  # quantized weights, scales and biases untouched
@@ -291,7 +292,7 @@ def test_resume_gives_the_same_learning_rate_and_the_same_next_step(own, tmp_pat
     first = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
     try:
         lines = [first.train_batch(b)[0] for b in batches]
-        weights = lora_weights(first.model)
+        weights = lora_weights(first.learner.model)
     finally:
         first.writer.close()
         first.journal.close()
@@ -301,11 +302,12 @@ def test_resume_gives_the_same_learning_rate_and_the_same_next_step(own, tmp_pat
     again = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
     try:
         assert again.resume().name == "step_000003"
-        assert again.learning_rate() == pytest.approx(lines[3]["learning_rate"], rel=1e-7)
+        assert again.learner.learning_rate() == pytest.approx(lines[3]["learning_rate"],
+                                                              rel=1e-7)
         line = again.train_batch(batches[3])[0]
         for k in ("learning_rate", "loss", "entropy", "grad_norm"):
             assert line[k] == pytest.approx(lines[3][k], rel=1e-5), k
-        for k, v in lora_weights(again.model).items():
+        for k, v in lora_weights(again.learner.model).items():
             assert mx.allclose(v, weights[k], atol=1e-6).item(), k
     finally:
         again.writer.close()
@@ -372,7 +374,7 @@ def test_an_item_trains_its_own_choice_under_its_key_and_a_baselined_one_keeps_i
 def test_released_turns_rebuilds_every_released_choice(tmp_path):
     import json
 
-    from rlproxy.training.trainer import released_turns
+    from rlproxy.training.items import released_turns
 
     turn = {"uid": "t1", "session_id": "s", "index": 0, "trainable": True, "chosen_choice": 1,
             "prompt_ids": [5, 6], "choices": [
@@ -411,11 +413,13 @@ def test_released_turns_rebuilds_every_released_choice(tmp_path):
 
 def test_trained_keys_are_bounded_once_running_and_the_queue_has_a_cap(own, tmp_path,
                                                                        monkeypatch):
-    import rlproxy.training.trainer as trainer_module
-    from rlproxy.training.items import KeySet
+    import rlproxy.training.loop as trainer_module
+    from rlproxy.lru import LRU
 
-    keys = KeySet(["a", "b", "c"], limit=2)
-    assert list(keys) == ["b", "c"] and keys == {"b", "c"} and {"c"} <= keys
+    keys = LRU(2)  # the trainer's key sets: an LRU used as a set
+    for k in "abc":
+        keys.add(k)
+    assert list(keys) == ["b", "c"] and set(keys) == {"b", "c"} and "c" in keys
     keys.add("b")
     keys.add("d")  # the oldest, c, goes: b was added again
     assert list(keys) == ["b", "d"]
@@ -424,11 +428,11 @@ def test_trained_keys_are_bounded_once_running_and_the_queue_has_a_cap(own, tmp_
     monkeypatch.setattr(trainer_module, "MAX_QUEUED", 5)
     settings = make_settings(tmp_path, train=True, batch_size=4, save_interval=1000)
     trainer = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
-    trainer.trained |= {"k1", "k2", "k3", "k4", "k5"}  # as read from a long training.jsonl
+    trainer.mark_trained(["k1", "k2", "k3", "k4", "k5"])  # as read from a long training.jsonl
     for i in range(8):
         trainer.submit(random_item(own.vocab_size, 100 + i))
     assert len(trainer.queued) == 5 and trainer.inbox.qsize() == 5
-    assert trainer.stats["dropped"] == 3
+    assert trainer.stats.dropped == 3
     trainer.start()  # trims: start-up has resubmitted what needed the whole history
     try:
         assert len(trainer.trained) <= 3
@@ -470,7 +474,7 @@ def test_a_trainer_stopped_while_paused_trains_nothing(own, tmp_path):
     untrained, so a restart trains them)."""
     settings = make_settings(tmp_path, train=True, batch_size=2, learning_rate=1e-3)
     trainer = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
-    before = lora_weights(trainer.model)
+    before = lora_weights(trainer.learner.model)
     trainer.pause()
     trainer.start()
     for i in range(2):
@@ -480,7 +484,7 @@ def test_a_trainer_stopped_while_paused_trains_nothing(own, tmp_path):
         time.sleep(0.01)
     time.sleep(0.5)  # the full batch is collected and held in _control by the pause
     trainer.stop()
-    after = lora_weights(trainer.model)
+    after = lora_weights(trainer.learner.model)
     assert trainer.step == 0 and not trainer.trained
     assert all(mx.array_equal(before[k], after[k]).item() for k in before)
     assert [x["kind"] for x in read_records(tmp_path, "training.jsonl")] == ["pause"]

@@ -1,35 +1,39 @@
-"""The operator's actions: serve an older checkpoint (rollback), pause and resume training.
+"""The operator's actions: serve an older checkpoint (rollback), pause and resume training,
+and hand out a checkpoint as a .zip.
 
 `POST /v1/adapters/{step}/serve`, `POST /v1/training/pause`, `POST /v1/training/resume`, all
-behind the API key; the dashboard's buttons call the same handlers. With the trainer running, a
-rollback is done by the trainer on its own thread (its arrays live there: `Trainer.rollback`),
-which publishes the checkpoint as a new adapter version and trains on from it. With training
-off (`--no-train`) the checkpoint's adapter goes to the engine directly. Either way the action
-is a line in training.jsonl.
+behind the API key, and the same handlers under /ui/api/ for the dashboard's buttons (sent with
+its cookie), beside `GET /ui/api/adapters/{step}.zip`: `add_routes` mounts them all. With the
+trainer running, a rollback is done by the trainer on its own thread (its arrays live there:
+`Trainer.rollback`), which publishes the checkpoint as a new adapter version and trains on from
+it. With training off (`--no-train`) the checkpoint's adapter goes to the engine directly.
+Either way the action is a line in training.jsonl.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
 import time
+import zipfile
 from pathlib import Path
 
 from aiohttp import web
 
-from rlproxy.api.turns import json_response
+from rlproxy import paths
+from rlproxy.api.edge import json_response
 from rlproxy.appkeys import ENGINE, SETTINGS, TRAINER
-from rlproxy.training.checkpoints import complete_checkpoints
 from rlproxy.protocol import APIError, shown
 from rlproxy.records import JsonlWriter, read_jsonl
+from rlproxy.paths import complete_checkpoints
 
-TRAINING = "training.jsonl"  # trainer.TRAINING
 ROLLBACK_TIMEOUT_S = 300.0  # the trainer finishes the step in progress first
 
 
 def checkpoint_dir(app: web.Application) -> Path:
-    return app[SETTINGS].records.data_dir / "checkpoints"
+    return app[SETTINGS].records.data_dir / paths.CHECKPOINTS
 
 
 def find_checkpoint(app: web.Application, raw: str) -> Path:
@@ -60,7 +64,7 @@ async def serve_adapter(request: web.Request) -> web.Response:
         if not trainer.alive:
             raise APIError(503, f"the trainer is not running: {trainer.error}",
                            type="server_error")
-        from rlproxy.training.trainer import RollbackSuperseded  # loaded already where training is on
+        from rlproxy.training.control import RollbackSuperseded  # loaded where training is on
 
         try:
             line = await trainer_rollback(trainer, path)
@@ -116,7 +120,7 @@ def publish_checkpoint(app: web.Application, path: Path) -> dict:
     if problem:
         raise ValueError(f"another model or LoRA layout than this one ({problem})")
     mx.eval(weights)  # concrete before the engine thread sees it
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = json.loads((path / paths.TRAINER_STATE).read_text())
     # the handler waits for it before answering; above every version recorded, so a restarted
     # server (its engine back at 0) never reuses one that turns and steps already carry
     version = max(engine.adapter_version, recorded_version(app)) + 1
@@ -125,7 +129,7 @@ def publish_checkpoint(app: web.Application, path: Path) -> dict:
             "checkpoint": str(path), "checkpoint_step": state["step"],
             "checkpoint_adapter_version": state["adapter_version"], "training": False,
             "time": time.time()}
-    writer = JsonlWriter(app[SETTINGS].records.data_dir / TRAINING,
+    writer = JsonlWriter(app[SETTINGS].records.data_dir / paths.TRAINING,
                          fsync=app[SETTINGS].records.fsync)
     writer.write(line)
     writer.close()
@@ -135,10 +139,10 @@ def publish_checkpoint(app: web.Application, path: Path) -> dict:
 def recorded_version(app: web.Application) -> int:
     """The highest adapter version training.jsonl and the checkpoints name (0: none)."""
     data_dir = app[SETTINGS].records.data_dir
-    versions = [ln.get("adapter_version") for ln in read_jsonl(data_dir / TRAINING)]
+    versions = [ln.get("adapter_version") for ln in read_jsonl(data_dir / paths.TRAINING)]
     for path in complete_checkpoints(checkpoint_dir(app)):
         try:
-            versions.append(json.loads((path / "trainer_state.json").read_text())[
+            versions.append(json.loads((path / paths.TRAINER_STATE).read_text())[
                 "adapter_version"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a damaged checkpoint names nothing
@@ -163,3 +167,31 @@ async def resume_training(request: web.Request) -> web.Response:
     trainer = the_trainer(request.app)
     await asyncio.to_thread(trainer.unpause)
     return json_response({"object": "training", "paused": False, "step": trainer.step})
+
+
+async def download(request: web.Request) -> web.Response:
+    """A checkpoint as a .zip: the adapter in mlx-lm's format plus the trainer's state."""
+    path = find_checkpoint(request.app, request.match_info["step"])
+
+    def pack() -> bytes:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+            for name in ("adapters.safetensors", paths.ADAPTER_CONFIG, paths.TRAINER_STATE):
+                z.write(path / name, f"{path.name}/{name}")
+        return buf.getvalue()
+
+    try:
+        body = await asyncio.get_running_loop().run_in_executor(None, pack)
+    except FileNotFoundError:  # pruned by --keep-checkpoints between the lookup and the read
+        raise APIError(404, f"checkpoint {path.name} was removed meanwhile", param="step",
+                       code="checkpoint_not_found") from None
+    return web.Response(body=body, content_type="application/zip", headers={
+        "Content-Disposition": f'attachment; filename="rlproxy-adapter-{path.name}.zip"'})
+
+
+def add_routes(app: web.Application) -> None:
+    for prefix in ("/v1", "/ui/api"):  # the API key, or the dashboard's cookie
+        app.router.add_post(prefix + "/adapters/{step}/serve", serve_adapter)
+        app.router.add_post(prefix + "/training/pause", pause_training)
+        app.router.add_post(prefix + "/training/resume", resume_training)
+    app.router.add_get("/ui/api/adapters/{step}.zip", download)

@@ -2,12 +2,16 @@
 answers itself.
 
 Owns:
+- `metrics_middleware` (outermost): every answer counted by API and status
+  (`rlproxy_requests`), and the request's checked session id set for the JSON log lines.
+- `json_response`: the one way a handler answers JSON.
 - `body_middleware`: every request body is read once, here, within
   `--body-read-timeout-s` (a stalled body is a 408, not a held connection), and a body that
   cannot be decoded (bad gzip/deflate, broken chunking) is a 400 on every route. Handlers then
   read the cached bytes and parse them with `json_body` (`--max-json-depth`).
 - `admission_middleware`: at most `--max-queued-requests` generation requests (chat, responses,
-  messages) running or waiting at once; past it a 429 with Retry-After.
+  messages) running or waiting at once; past it a 429 with Retry-After. `/healthz` shows the
+  gate's `health()`.
 - `error_response`: the API's error shape for a path (Anthropic's under /v1/messages).
 - `AppRunner` / `run_app`: aiohttp's own answers to requests it cannot parse (headers too long
   or too many, bad chunking or Content-Length, unknown methods, non-ASCII paths, br/zstd bodies)
@@ -31,7 +35,10 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from rlproxy.api.messages_output import error_body as messages_error_body
-from rlproxy.appkeys import SETTINGS
+from rlproxy.api.tags import valid_session_id
+from rlproxy.appkeys import ADMISSION, SETTINGS
+from rlproxy.ops.logs import SESSION_ID, TURN_UID
+from rlproxy.ops.metrics import REQUESTS
 from rlproxy.protocol import APIError, load_json, shown, validate
 
 log = logging.getLogger("rlproxy.edge")
@@ -41,19 +48,58 @@ OFFLOAD_BYTES = 1 << 20  # decode larger bodies on a worker thread: the loop ser
 RETRY_AFTER_S = 1  # a 4-token request takes well under a second; SDKs honour the header
 
 
-# ---- the error shape ----
+# ---- JSON answers and the error shape ----
+
+def json_response(data, status: int = 200, headers=None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+                        headers=headers)
+
 
 def error_response(err: APIError, path: str) -> web.Response:
     # Anthropic's SDK and Claude Code read errors in Anthropic's shape; all else gets OpenAI's.
     body = messages_error_body(err) if path.startswith("/v1/messages") else err.body()
-    return web.Response(body=orjson.dumps(body), status=err.status,
-                        content_type="application/json", headers=err.headers)
+    return json_response(body, err.status, err.headers)
 
 
 def both_shapes(err: APIError) -> dict:
     """For an error whose path is unknown (the request line itself was bad): a body both SDKs
     read, OpenAI's `error` object inside Anthropic's `{"type": "error"}`."""
     return {"type": "error", **err.body()}
+
+
+# ---- counting every answer ----
+
+def api_of(path: str) -> str:
+    """A low-cardinality label for a request path."""
+    for prefix, name in (("/v1/chat/", "chat"), ("/v1/responses", "responses"),
+                         ("/v1/messages", "messages"), ("/v1/models", "models"),
+                         ("/v1/sessions", "sessions"), ("/v1/feedback", "feedback"),
+                         ("/v1/adapters", "control"), ("/v1/training", "control"),
+                         ("/ui", "ui"), ("/metrics", "metrics"), ("/healthz", "healthz")):
+        if path.startswith(prefix):
+            return name
+    return "other"
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler):
+    """Outermost: counts every answer by API and status, after errors became responses."""
+    sid = request.headers.get("X-Session-Id")
+    SESSION_ID.set(sid if valid_session_id(sid) else None)  # log lines carry checked ids only
+    TURN_UID.set(None)
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499  # the client went away (nginx's code): not a server error
+        raise
+    finally:
+        REQUESTS.labels(api_of(request.path), str(status)).inc()
 
 
 # ---- the body, read once ----
@@ -137,8 +183,11 @@ class Admission:
     limit: int
     admitted: int = 0
 
+    def health(self) -> dict:
+        """What /healthz shows under "requests"."""
+        return {"admitted": self.admitted, "limit": self.limit}
 
-ADMISSION = web.AppKey("admission", Admission)
+
 
 
 @web.middleware
@@ -214,8 +263,7 @@ class RequestHandler(web.RequestHandler):
         if request.writer.output_size > 0:  # as aiohttp: a response was begun, end the line
             raise ConnectionError("Response is sent already, cannot send another response "
                                   "with the error message")
-        resp = web.Response(body=orjson.dumps(both_shapes(low_level_error(status, exc, message))),
-                            status=status, content_type="application/json")
+        resp = json_response(both_shapes(low_level_error(status, exc, message)), status)
         resp.force_close()
         return resp
 

@@ -12,8 +12,7 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlproxy.api.edge import json_body
-from rlproxy.api.turns import json_response
+from rlproxy.api.edge import json_body, json_response
 from rlproxy.appkeys import SCORER, SESSIONS
 from rlproxy.protocol import APIError, shown
 

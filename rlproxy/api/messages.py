@@ -17,9 +17,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from rlproxy.api import messages_output as out
-from rlproxy.api.edge import json_body, max_json_depth
+from rlproxy.api.edge import json_body, json_response, max_json_depth
 from rlproxy.api.messages_input import CountTokensRequest, MessagesRequest, to_chat_request
-from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept, serve_turn
+from rlproxy.api.turns import Call, drain, open_sse, replay_kept, serve_turn
 from rlproxy.appkeys import MODEL
 from rlproxy.serving.completions import EngineFailure, build_prompt
 from rlproxy.protocol import APIError

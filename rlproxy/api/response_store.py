@@ -18,6 +18,7 @@ import diskcache
 import orjson
 from aiohttp import web
 
+from rlproxy import paths
 from rlproxy.appkeys import RESPONSES
 from rlproxy.settings import Settings
 
@@ -47,7 +48,7 @@ def forget(store: diskcache.Cache, response_id: str) -> bool:
 
 def response_store_context(settings: Settings):
     async def ctx(app: web.Application):
-        store = open_response_store(settings.records.data_dir / "responses",
+        store = open_response_store(settings.records.data_dir / paths.RESPONSES,
                                     settings.records.responses_store_mb)
         app[RESPONSES] = store
         yield

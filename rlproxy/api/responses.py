@@ -19,10 +19,10 @@ import orjson
 from aiohttp import web
 
 from rlproxy.api import response_store
-from rlproxy.api.edge import json_body, max_json_depth
+from rlproxy.api.edge import json_body, json_response, max_json_depth
 from rlproxy.api.responses_input import ResponsesRequest, input_messages, to_chat_request, \
     tool_namespaces
-from rlproxy.api.turns import Call, drain, json_response, open_sse, replay_kept, serve_turn
+from rlproxy.api.turns import Call, drain, open_sse, replay_kept, serve_turn
 from rlproxy.appkeys import RESPONSES
 from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure
 from rlproxy.protocol import APIError, shown

@@ -28,11 +28,13 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Awaitable, Callable
 
-import orjson
 from aiohttp import web
 
-from rlproxy.ops import metrics
+from rlproxy.api.edge import json_response
 from rlproxy.appkeys import ENGINE, MODEL, SESSIONS, SETTINGS
+from rlproxy.ops import metrics
+from rlproxy.ops.health import served_names
+from rlproxy.ops.logs import TURN_UID
 from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure, Generation, Prompt, \
     build_prompt, sampling_params
 from rlproxy.serving.engine import SamplingParams
@@ -44,15 +46,6 @@ LOGPROB_DEFINITION = ("log_softmax(logits) at temperature 1, after logit_bias an
                       "before temperature and top_p")
 # the future of the request's filed turn (Call.file_turn): response bytes after it wait for it
 DURABLE = web.RequestKey("turn_durable", asyncio.Future)
-
-
-def json_response(data, status: int = 200, headers=None) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
-                        headers=headers)
-
-
-def served_names(app: web.Application) -> list[str]:
-    return app[SETTINGS].server.served_model_name or [app[MODEL].model_id]
 
 
 @dataclass
@@ -227,6 +220,8 @@ async def run_call(call: Call, write: Write) -> tuple[web.StreamResponse, object
         return resp, kept
     finally:
         call.gen.cancel()  # no-op for finished choices; stops generation for a gone client
+        if call.turn is not None:
+            TURN_UID.set(call.turn.uid)  # the request's later log lines name its turn
         metrics.observe_call(call)
 
 

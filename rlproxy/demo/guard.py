@@ -13,6 +13,7 @@ import json
 import random
 from pathlib import Path
 
+from rlproxy import paths
 from rlproxy.records import read_jsonl
 
 # Too high on purpose, on both kinds of model: the demo's tuned rates are 1e-3 (tiny) and 1e-4
@@ -44,7 +45,7 @@ class GateNews:
     """The gate's `eval` and `rollback` lines in DATA_DIR's training.jsonl not yet seen."""
 
     def __init__(self, data_dir: Path):
-        self.path, self.seen = Path(data_dir) / "training.jsonl", 0
+        self.path, self.seen = Path(data_dir) / paths.TRAINING, 0
 
     def new(self) -> list[dict]:
         lines = [ln for ln in read_jsonl(self.path) if ln.get("kind") == "eval"

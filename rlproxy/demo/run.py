@@ -39,6 +39,7 @@ from xml.sax.saxutils import escape
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from rlproxy import paths
 from rlproxy.demo import guard as demo_guard
 from rlproxy.ops import progress
 from rlproxy.training.checkpoints import latest_checkpoint
@@ -360,7 +361,7 @@ def training_rewards(data_dir: Path, by_step: bool = False) -> list[tuple[int, f
     step's number, mean reward) instead (with the gate, turns are sampled by the served
     adapter, not by the previous step's)."""
     from rlproxy.records import read_jsonl
-    from rlproxy.training.trainer import TRAINING
+    from rlproxy.paths import TRAINING
 
     return [(line["step"] if by_step else line["adapter_version"] - 1, line["reward_mean"])
             for line in read_jsonl(data_dir / TRAINING)
@@ -466,7 +467,7 @@ def run_demo(args) -> int:
     for point in (first, last):
         print(f"  a reply at v{point['adapter_version']}: {point['example'][:70]!r}")
     print(f"chart: {out / 'curve.svg'}  curve: {out / 'curve.json'}  records: {data}")
-    adapter = latest_checkpoint(data / "checkpoints")
+    adapter = latest_checkpoint(data / paths.CHECKPOINTS)
     if adapter is not None:
         print(f"adapter: {adapter}  (rlproxy serve --adapter {adapter})", flush=True)
     return 0

@@ -1,8 +1,8 @@
 """The prefix cache's entries as keys and bytes: block hashes, adapter and model fingerprints,
-the index key of an entry, the CRC-checked blob format (pack/unpack), and the mlx-lm KV caches an
-entry becomes (`to_caches` for the memory tier, `fresh_kv` for a request). Pure functions and one
-record type; the store itself (index, memory tier, disk, writer thread, eviction) is
-kv/prefix_cache.py.
+the index key of an entry, the CRC-checked blob format (pack/unpack), the mlx-lm KV caches an
+entry becomes (`to_caches` for the memory tier, `fresh_kv` for a request), and which models' KV
+can be stored at all (`unstorable`, `check_quantizable`). Pure functions and one record type;
+the store itself (index, memory tier, disk, writer thread, eviction) is kv/prefix_cache.py.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 MAGIC = b"RLPKV\x00\x01\x00"  # + u64 body length + u32 CRC-32 of the body
 FORMAT = 2  # 2: disk entries are tagged with their namespace (diskcache evict by tag)
+LIVE_KV = ("full precision: mlx-lm's BatchGenerator has no kv_bits and cannot batch a "
+           "QuantizedKVCache, so --kv-bits applies to stored entries only")
 
 
 class CorruptEntry(Exception):
@@ -83,6 +85,31 @@ def model_key(model: nn.Module, model_id: str) -> str:
             h.update(f"{name}{a.shape}{a.dtype}".encode())
             h.update(memoryview(head))
     return f"{model_id}@{h.hexdigest()}"
+
+
+# ---- which models' KV can be stored ----
+
+def unstorable(model: nn.Module) -> str | None:
+    """Why this model's KV is not stored (cache layers other than plain KVCache), or None."""
+    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
+    if kinds != ["KVCache"]:
+        return f"the model's cache layers are {kinds}; only KVCache layers are stored"
+    return None
+
+
+def check_quantizable(model: nn.Module, bits: int, group_size: int) -> None:
+    """Raise ValueError, saying what to change, when --kv-bits/--kv-group-size cannot quantize
+    this model's KV (a probe: one token through the model)."""
+    probe = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=probe)
+    try:
+        mx.eval([mx.quantize(a, group_size=group_size, bits=bits)
+                 for a in (probe[0].keys, probe[0].values)])
+    except ValueError as e:
+        raise ValueError(
+            f"--kv-bits {bits} --kv-group-size {group_size} cannot quantize this model's KV "
+            f"(head dim {probe[0].keys.shape[-1]}): {e}. Choose a --kv-group-size that divides "
+            "the head dim (32, 64 or 128)") from None
 
 
 # ---- entries: keys and blobs ----

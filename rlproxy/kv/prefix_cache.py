@@ -1,55 +1,10 @@
 """The prefix KV store: prompt KV state kept in memory and on disk, found by longest prefix.
 
-Agent prompts are long and mostly repeated (system prompt, tool schemas, the conversation so far),
-so the engine asks this store for the longest stored prefix of each new prompt and prefills only
-the rest. This module owns the entries, the memory tier, a `diskcache` directory
-(`<data_dir>/prefix_cache/`), one writer thread and the counters /healthz shows. It does not own
-the model or the decode loop: serving/engine.py decides when to store, and serving/prefill.py's loader thread
-looks up. Keys, hashes and the byte format are kv/blobs.py, the block index kv/index.py, and
-which adapters' KV may be reused (`--kv-reuse-max-lag`, by ancestry) kv/lineage.py.
-
-- **Entry**: the KV state (every layer's keys and values) of one token sequence, a request's
-  prompt + completion. At a request's end mlx-lm's BatchGenerator holds KV for the prompt and
-  *every* sampled token, the last one included (it runs the forward pass on a token before it
-  returns it; checked against a from-scratch pass), so an entry covers all of `all_tokens`.
-  Namespaced by model identity (id + a sample of the base weights), KV settings and adapter
-  (version + a fingerprint of the LoRA weights, so a restart that reuses a version number with
-  other weights never matches). An entry whose tokens are a prefix of a newer one is dropped:
-  a session keeps one entry that grows turn by turn.
-- **Stale reuse**: a lookup also accepts entries of the N adapters before the one served. An
-  entry is stored under the *oldest* adapter whose KV it holds (the engine says which), so no
-  token's KV is ever more than N versions old: staleness stays bounded instead of compounding.
-- **Lookup** (on the loader thread, never the engine's): the block index ranks the entries of
-  the window by how much of the prompt they share; the best one's namespace is asked of the
-  memory tier, else its blob is read from disk. The KV handed out is trimmed to the exact
-  common prefix, leaving at least one prompt token to prefill, in fresh arrays: a request never
-  shares KV with another or with the store.
-- **Memory tier**: mlx-lm's `LRUPromptCache` (a token trie per namespace, a byte budget,
-  entries superseded by a longer one dropped), holding the KV as mlx-lm caches, quantized when
-  the entry is. Ours stays in front of it: the disk tier and its CRC, and the block index that
-  says which namespace to ask (asking each namespace of the window would deep-copy KV from
-  every one that matches). Entries the index forgets (evicted from disk, or of an adapter past
-  the window) are never asked for and age out of the LRU.
-- **Writes** happen on the writer thread: the engine thread only evaluates the extracted KV
-  (MLX arrays must be evaluated on the thread that built them) and queues it; quantization,
-  serialization, hashing, disk IO and the memory tier run there. A full queue drops the write,
-  never blocks decode. Until the writer has stored it, a queued write serves lookups from its
-  own arrays, so an agent's next request that arrives within milliseconds still hits. The
-  engine thread and `counters` never wait for a lookup: they share only a short-held lock.
-- **Integrity**: each blob carries a magic, its length and a CRC-32; a truncated or altered
-  entry (e.g. after a crash) is counted, deleted and never served.
-- **Eviction**: the disk budget covers the entries plus diskcache's SQLite file (not its WAL).
-  Each disk entry is tagged with its namespace; publishing adapter version v evicts the tags of
-  versions older than v - N (never served again: diskcache's `evict(tag)`). Under budget
-  pressure entries outside the window go first, then the least recently written or read, one at
-  a time (diskcache's `cull` deletes ten at once). One server per data directory.
-- **KV quantization** (`--kv-bits`, `--kv-group-size`, `--quantized-kv-start`) applies to
-  *stored entries only*: entries of at least `quantized_kv_start` tokens are kept quantized in
-  memory and on disk (4-8x smaller) and dequantized on restore, so their output is close to,
-  not equal to, output from scratch. Live decoding always keeps full-precision KV: mlx-lm 0.32's
-  BatchGenerator has no kv_bits option and cannot batch a QuantizedKVCache (no `merge`).
-- Models whose cache layers are not all plain `KVCache` (sliding windows, SSM state) are not
-  cached; /healthz says so.
+Owns the entries, the memory tier, a `diskcache` directory (`<data_dir>/prefix_cache/`), one
+writer thread and its counters (`PrefixCacheStats`; `health()` is what /healthz shows). Does not
+own the model or the decode loop: serving/engine.py decides when to store, serving/prefill.py's
+loader thread looks up. How it works, with blobs.py (keys, hashes, bytes), index.py and
+lineage.py (`--kv-reuse-max-lag`), is told once, in kv/__init__.py.
 """
 
 from __future__ import annotations
@@ -59,17 +14,18 @@ import json
 import logging
 import queue
 import threading
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import diskcache
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, LRUPromptCache
 
 from rlproxy.kv.blobs import (
-    FORMAT, CorruptEntry, Entry, block_hashes, common_prefix, digest, end_hash, fresh_kv,
-    model_key, pack, to_caches, unpack,
+    FORMAT, LIVE_KV, CorruptEntry, Entry, block_hashes, check_quantizable, common_prefix, digest,
+    end_hash, fresh_kv, model_key, pack, to_caches, unpack, unstorable,
 )
 from rlproxy.kv.index import BlockIndex
 from rlproxy.kv.lineage import Lineage
@@ -81,13 +37,34 @@ log = logging.getLogger("rlproxy.prefix_cache")
 MAX_ENDS = 32  # turn boundaries remembered per entry
 MAX_PENDING = 8  # queued writes hold KV arrays in memory; past this a write is dropped
 CANDIDATES = 3  # entries tried per lookup when the best ones turn out corrupt or gone
-LIVE_KV = ("full precision: mlx-lm's BatchGenerator has no kv_bits and cannot batch a "
-           "QuantizedKVCache, so --kv-bits applies to stored entries only")
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted under the store's small lock; /healthz shows them under "prefix_cache"."""
+
+    lookups: int = 0
+    hits: int = 0
+    memory_hits: int = 0
+    disk_hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0  # prompt tokens restored instead of prefilled
+    hits_stale: int = 0  # hits on KV of an adapter before the one served
+    cached_tokens_stale: int = 0
+    stores: int = 0
+    dropped_writes: int = 0  # the write queue was full
+    not_stored_stale: int = 0  # its adapter had left the reuse window
+    corrupt: int = 0
+    evicted_stale: int = 0
+    evicted_budget: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    errors: int = 0
 
 
 class PrefixCache:
     """Thread use: `set_adapter` and `put` on the engine thread, `fetch` on the loader thread,
-    `counters` anywhere; everything that writes runs on the store's own writer thread."""
+    `health` anywhere; everything that writes runs on the store's own writer thread."""
 
     def __init__(self, directory: str | Path, settings: CacheSettings, model_identity: str,
                  unsupported: str | None = None):
@@ -109,11 +86,7 @@ class PrefixCache:
         self._memory = LRUPromptCache(max_size=1 << 30, max_bytes=self.memory_limit)
         self._pending: dict[int, tuple[str, int, np.ndarray, list]] = {}  # queued writes
         self._write_ids = itertools.count()
-        self.stats = dict.fromkeys(
-            ["lookups", "hits", "memory_hits", "disk_hits", "misses", "cached_tokens",
-             "hits_stale", "cached_tokens_stale", "stores", "dropped_writes",
-             "not_stored_stale", "corrupt", "evicted_stale", "evicted_budget",
-             "bytes_written", "bytes_read", "errors"], 0)
+        self.stats = PrefixCacheStats()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._disk = diskcache.Cache(
             str(self.directory), size_limit=self.disk_limit, cull_limit=0,  # we cull, after
@@ -126,10 +99,6 @@ class PrefixCache:
         self._writer = threading.Thread(target=self._write_loop, name="rlproxy-prefix-writer",
                                         daemon=True)
         self._writer.start()
-
-    @property
-    def version(self) -> int:
-        return self._lineage.served[0]
 
     def served(self) -> tuple[int, str | None]:
         """(version, namespace) of the adapter served now."""
@@ -206,7 +175,7 @@ class PrefixCache:
                              for score, seq, key in self._index.rank(ns, prompt, hashes[ns])),
                             reverse=True)  # longest first, then newest version, then recency
         with self._small:
-            self.stats["lookups"] += 1
+            self.stats.lookups += 1
             queued = [(common_prefix(t, prompt), version, q_ns, t, arrays)
                       for q_ns, version, t, arrays in self._pending.values()
                       if (version, q_ns) in window]
@@ -326,9 +295,11 @@ class PrefixCache:
                 self._disk.delete(e.key)
         if on_disk:
             culled = self._disk.cull()
-            if culled:
+            if culled:  # diskcache's own cull, past the budget: the index forgets them too
                 self._count(evicted_budget=culled)
-                self._forget_missing()
+                on_disk = set(self._disk.iterkeys())
+                with self._lock:
+                    self._index.forget_missing(on_disk)
         self._disk_bytes = self._disk.volume()
 
     def _remember(self, ns: str, tokens: np.ndarray, caches: list) -> None:
@@ -366,11 +337,6 @@ class PrefixCache:
             self._disk.evict(ns)
         self._disk_bytes = self._disk.volume()
 
-    def _forget_missing(self) -> None:
-        on_disk = set(self._disk.iterkeys())
-        with self._lock:
-            self._index.forget_missing(on_disk)
-
     def _scan(self) -> None:
         for key in list(self._disk.iterkeys()):
             entry = Entry.parse(key)
@@ -382,7 +348,7 @@ class PrefixCache:
     def _count(self, **deltas) -> None:
         with self._small:
             for name, d in deltas.items():
-                self.stats[name] += d
+                setattr(self.stats, name, getattr(self.stats, name) + d)
 
     # ---- any thread ----
 
@@ -396,10 +362,11 @@ class PrefixCache:
             self._writer.join(timeout=120)
         self._disk.close()
 
-    def counters(self) -> dict:
-        """Never waits for a lookup or a write (the event loop calls it)."""
+    def health(self) -> dict:
+        """What /healthz shows under "prefix_cache". Never waits for a lookup or a write (the
+        event loop calls it)."""
         with self._small:
-            out = dict(self.stats)
+            out = asdict(self.stats)
         out.update(
             entries=len(self._index.entries),
             memory_entries=len(self._memory),
@@ -408,7 +375,7 @@ class PrefixCache:
             enabled=self.unsupported is None,
             reason=self.unsupported,
             directory=str(self.directory),
-            adapter_version=self.version,
+            adapter_version=self._lineage.served[0],
             kv_reuse_max_lag=self.max_lag,
             servable_versions=[v for v, _ in self.window()],  # entries of these may be reused
             disk_bytes=self._disk_bytes,
@@ -416,12 +383,9 @@ class PrefixCache:
             memory_limit_bytes=self.memory_limit,
             block_tokens=self.block,
             pending_writes=self._queue.qsize(),
-            kv_quantization={
-                "stored_entries": None if self.quant is None else {
-                    "bits": self.quant[1], "group_size": self.quant[0],
-                    "quantized_kv_start": self.quantized_kv_start},
-                "live_decoding": LIVE_KV},
-        )
+            kv_quantization={"stored_entries": None if self.quant is None else {
+                "bits": self.quant[1], "group_size": self.quant[0],
+                "quantized_kv_start": self.quantized_kv_start}, "live_decoding": LIVE_KV})
         return out
 
 
@@ -430,19 +394,7 @@ def open_prefix_cache(directory: str | Path, settings: CacheSettings, model: nn.
     """The store for this model, checked against it. Runs a little MLX work (a digest of the
     weights, a probe when quantizing): call it where the model was loaded, before the engine
     thread starts."""
-    kinds = sorted({type(c).__name__ for c in make_prompt_cache(model)})
-    unsupported = None
-    if kinds != ["KVCache"]:
-        unsupported = f"the model's cache layers are {kinds}; only KVCache layers are stored"
-    elif settings.kv_bits:
-        probe = make_prompt_cache(model)
-        model(mx.array([[0]]), cache=probe)
-        try:
-            mx.eval([mx.quantize(a, group_size=settings.kv_group_size, bits=settings.kv_bits)
-                     for a in (probe[0].keys, probe[0].values)])
-        except ValueError as e:
-            raise ValueError(
-                f"--kv-bits {settings.kv_bits} --kv-group-size {settings.kv_group_size} cannot "
-                f"quantize this model's KV (head dim {probe[0].keys.shape[-1]}): {e}. Choose a "
-                "--kv-group-size that divides the head dim (32, 64 or 128)") from None
+    unsupported = unstorable(model)
+    if unsupported is None and settings.kv_bits:
+        check_quantizable(model, settings.kv_bits, settings.kv_group_size)
     return PrefixCache(directory, settings, model_key(model, model_id), unsupported)

@@ -1,29 +1,35 @@
 """Log output: `--log-format text` (the default, for people) or `json` (one object per line,
-for log collectors), set up once in `main`.
+for log collectors), set up once in `main`; and what a JSON line says about its moment.
 
 A JSON line carries the session id and turn uid of the request being served when there is one
-(ops/metrics.py's context variables, set per request), and the adapter version the engine serves.
+(the context variables below, set per request by api/edge.py's middleware and api/turns.py),
+and the adapter version the engine serves (`served`, set by ops/metrics.py's `observe_swap`).
+Imports no other rlproxy module: the CLI sets up logging without loading the server's.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import time
 
 TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("session_id",
+                                                                       default=None)
+TURN_UID: contextvars.ContextVar[str | None] = contextvars.ContextVar("turn_uid", default=None)
+served = {"adapter_version": 0}  # one engine per process
+
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        from rlproxy.ops import metrics
-
         line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
                 + f".{int(record.msecs):03d}Z",
                 "level": record.levelname, "logger": record.name,
                 "message": record.getMessage(),
-                "adapter_version": metrics.served["adapter_version"]}
-        for key, var in (("session_id", metrics.SESSION_ID), ("turn_uid", metrics.TURN_UID)):
+                "adapter_version": served["adapter_version"]}
+        for key, var in (("session_id", SESSION_ID), ("turn_uid", TURN_UID)):
             value = getattr(record, key, None) or var.get()
             if value is not None:
                 line[key] = value

@@ -1,37 +1,35 @@
 """Prometheus metrics: `GET /metrics`, and the observation points the loop calls.
 
-Two kinds of metric. Counters and gauges that some object already keeps (engine.stats, the
-prefix cache's counters, scorer.stats, trainer.stats, the session store) are read from that live
-state at scrape time by `LiveCollector`, so those modules need no hooks. What only a moment
-knows (a request's time to first token, a judge call's latency, a step's loss, a swap's pause)
-is observed by the one-line `observe_*` calls below, made from api/turns.py, scoring/scorer.py,
-training/trainer.py and serving/engine.py. Those are process-wide objects (one server per process); each app's
-registry exposes them beside its own live collector.
+Two kinds of metric. Counters and gauges that a component keeps (its typed `stats` and its
+`health()`: the engine, the prefix cache, the session store, the scorer, the trainer, the
+admission gate) are read from it at scrape time by `LiveCollector`, so those components need no
+hooks. What only a moment knows (a request's time to first token, a judge call's latency, a
+step's loss, a swap's pause) is observed by the one-line `observe_*` calls below, made from
+api/turns.py, scoring/scorer.py, training/loop.py and serving/engine.py, and every answer is
+counted by api/edge.py's `metrics_middleware` (`REQUESTS`). Those are process-wide objects (one
+server per process); each app's registry exposes them beside its own live collector.
 
-Owns nothing else: no state of the loop lives here, and nothing here touches MLX.
+A leaf: imports no rlproxy module at run time but appkeys.py (by whose keys it reads the app's
+objects; it imports none of them) and ops/logs.py (the served adapter version its JSON lines
+carry), neither of which imports anything of rlproxy, so any component may call into it. Owns
+no state of the loop, and nothing here touches MLX.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-from collections import deque
 import os
 import sys
 import time
+from collections import deque
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from rlproxy.api.tags import valid_session_id
+from rlproxy.appkeys import ADMISSION, ENGINE, METRICS, MODEL, SCORER, SESSIONS, TRAINER
+from rlproxy.ops import logs
 
-# Read by the JSON log format (ops/logs.py): what the current request or the served adapter is.
-SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("session_id",
-                                                                       default=None)
-TURN_UID: contextvars.ContextVar[str | None] = contextvars.ContextVar("turn_uid", default=None)
-served = {"adapter_version": 0}
 recent_ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, seconds): the dashboard
 
 LATENCY_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -81,14 +79,12 @@ OBSERVED = (REQUESTS, TURNS, PROMPT_TOKENS, CACHED_PROMPT_TOKENS, COMPLETION_TOK
 # ---- observation points (one-line calls from the loop) ----
 
 def observe_call(call) -> None:
-    """A model call ended (api/turns.py `serve_turn`); never raises into the request."""
+    """A model call ended (api/turns.py `run_call`); never raises into the request."""
     try:
         gen, api = call.gen, call.api
         turn_type = (call.turn.turn_type if call.turn is not None
                      else "opt_out" if call.place is None else "unfinished")
         TURNS.labels(api, turn_type).inc()
-        if call.turn is not None:
-            TURN_UID.set(call.turn.uid)
         PROMPT_TOKENS.inc(len(call.prompt.ids))
         CACHED_PROMPT_TOKENS.inc(min((r.cached_tokens for r in gen.records), default=0))
         n = sum(len(r.completion_ids) for r in gen.records)
@@ -118,7 +114,7 @@ def observe_score(line: dict) -> None:
 
 
 def observe_train_step(line: dict) -> None:
-    """One optimizer step's line for training.jsonl (training/trainer.py)."""
+    """One optimizer step's line for training.jsonl (training/loop.py)."""
     STEP_TIME.observe(line["step_time_s"])
     LOSS.set(line["loss"])
     KL.set(line["kl"])
@@ -130,7 +126,7 @@ def observe_train_step(line: dict) -> None:
 def observe_swap(seconds: float, version: int) -> None:
     """The engine applied adapter VERSION, pausing decoding for SECONDS (serving/engine.py)."""
     SWAP_PAUSE.observe(seconds)
-    served["adapter_version"] = version
+    logs.served["adapter_version"] = version
 
 
 # ---- state read at scrape time ----
@@ -146,27 +142,22 @@ def resident_bytes() -> int | None:
         return peak if sys.platform == "darwin" else peak * 1024
 
 
+def gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value))
+
+
+def counter(name: str, doc: str, value) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=float(value))
+
+
 class LiveCollector:
-    """Counters and gauges of one app, read from the objects that keep them."""
+    """Counters and gauges of one app, read from what its components report."""
 
     def __init__(self, app: web.Application):
         self.app = app
 
     def collect(self):
-        from rlproxy.appkeys import ENGINE, MODEL, SCORER, SESSIONS, TRAINER
-
         app = self.app
-
-        def gauge(name, doc, value, **labels):
-            g = GaugeMetricFamily(name, doc, labels=list(labels))
-            g.add_metric(list(labels.values()), float(value))
-            return g
-
-        def counter(name, doc, value):
-            return CounterMetricFamily(name, doc, value=float(value))
-
-        from rlproxy.api.edge import ADMISSION
-
         gate = app.get(ADMISSION)
         if gate is not None:
             yield gauge("rlproxy_requests_admitted", "Generation requests running or waiting "
@@ -178,58 +169,54 @@ class LiveCollector:
         yield gauge("rlproxy_adapter_version", "Adapter version being served",
                     engine.adapter_version)
         yield counter("rlproxy_adapter_swaps", "Adapters applied by the engine",
-                      engine.stats["swaps"])
+                      engine.stats.swaps)
         yield gauge("rlproxy_running_requests", "Sequences in the decode batch",
-                    engine.stats["active"])
-        yield counter("rlproxy_decode_steps", "Batched decode steps", engine.stats["steps"])
-        yield from prefix_cache_metrics(engine.prefix_cache)
+                    engine.stats.active)
+        yield counter("rlproxy_decode_steps", "Batched decode steps", engine.stats.steps)
+        if engine.prefix_cache is not None:
+            yield from prefix_cache_metrics(engine.prefix_cache.health())
         store = app.get(SESSIONS)
         if store is not None:
-            yield gauge("rlproxy_sessions_open", "Open sessions", len(store.open))
+            sessions = store.health()
+            yield gauge("rlproxy_sessions_open", "Open sessions", sessions["open"])
             yield gauge("rlproxy_turns_awaiting_next_state", "Main turns waiting for the "
-                        "session's next request", sum(len(s.pending())
-                                                      for s in list(store.open.values())))
+                        "session's next request", sessions["awaiting_next_state"])
         scorer = app.get(SCORER)
         if scorer is not None:
             s = scorer.stats
-            yield counter("rlproxy_turns_scored", "Turns scored", s["scored"])
+            yield counter("rlproxy_turns_scored", "Turns scored", s.scored)
             yield counter("rlproxy_turns_released", "Scored turns released to training",
-                          s["released"])
+                          s.released)
             yield gauge("rlproxy_turns_waiting_judge", "Turns waiting out a judge outage",
-                        s["waiting"])
+                        s.waiting)
             yield counter("rlproxy_judge_outages", "Turns deferred because no judge answered",
-                          s["outages"])
+                          s.outages)
             yield gauge("rlproxy_scoring_pending", "Turns submitted and not scored yet",
                         scorer.pending)
         trainer = app.get(TRAINER)
+        t = trainer.health() if trainer is not None else {"enabled": False}
         yield gauge("rlproxy_trainer_up", "1 while the trainer thread runs (0: off or died)",
-                    int(trainer is not None and trainer.alive and trainer.error is None))
+                    int(t["enabled"] and t["alive"] and t["error"] is None))
         if trainer is not None:
             yield counter("rlproxy_train_steps", "Optimizer steps taken by this process "
-                          "(not rollbacks)", trainer.stats["optimizer_steps"])
+                          "(not rollbacks)", trainer.stats.optimizer_steps)
             yield counter("rlproxy_turns_trained", "Turns trained on",
-                          trainer.stats["turns_trained"])
+                          trainer.stats.turns_trained)
             yield counter("rlproxy_train_turns_skipped", "Turns skipped (too long, too big)",
-                          trainer.stats["skipped"])
+                          trainer.stats.skipped)
             yield gauge("rlproxy_train_turns_quarantined", "Turns whose steps kept failing",
-                        len(trainer.journal.quarantined))
+                        t["quarantined"])
             yield gauge("rlproxy_train_queue_depth", "Scored turns waiting for the trainer",
-                        trainer.inbox.qsize())
+                        t["queued"])
             yield gauge("rlproxy_training_paused", "1 while training is paused",
-                        int(trainer.paused))
+                        int(t["paused"]))
         rss = resident_bytes()
         if rss is not None:
             yield gauge("rlproxy_process_resident_memory_bytes", "Resident memory", rss)
 
 
-def prefix_cache_metrics(cache):
-    if cache is None:
-        return
-    c = cache.counters()
-
-    def counter(name, doc, value):
-        return CounterMetricFamily(name, doc, value=float(value))
-
+def prefix_cache_metrics(c: dict):
+    """From the prefix cache's `health()`."""
     yield counter("rlproxy_prefix_cache_lookups", "Prefix cache lookups", c["lookups"])
     yield counter("rlproxy_prefix_cache_hits", "Lookups that restored a prefix", c["hits"])
     yield counter("rlproxy_prefix_cache_misses", "Lookups that found nothing", c["misses"])
@@ -248,39 +235,6 @@ def prefix_cache_metrics(cache):
 
 # ---- wiring ----
 
-def api_of(path: str) -> str:
-    """A low-cardinality label for a request path."""
-    for prefix, name in (("/v1/chat/", "chat"), ("/v1/responses", "responses"),
-                         ("/v1/messages", "messages"), ("/v1/models", "models"),
-                         ("/v1/sessions", "sessions"), ("/v1/feedback", "feedback"),
-                         ("/v1/adapters", "control"), ("/v1/training", "control"),
-                         ("/ui", "ui"), ("/metrics", "metrics"), ("/healthz", "healthz")):
-        if path.startswith(prefix):
-            return name
-    return "other"
-
-
-@web.middleware
-async def metrics_middleware(request: web.Request, handler):
-    """Outermost: counts every answer by API and status, after errors became responses."""
-    sid = request.headers.get("X-Session-Id")
-    SESSION_ID.set(sid if valid_session_id(sid) else None)  # log lines carry checked ids only
-    TURN_UID.set(None)
-    status = 500
-    try:
-        resp = await handler(request)
-        status = resp.status
-        return resp
-    except web.HTTPException as e:
-        status = e.status
-        raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        status = 499  # the client went away (nginx's code): not a server error
-        raise
-    finally:
-        REQUESTS.labels(api_of(request.path), str(status)).inc()
-
-
 def make_registry(app: web.Application) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(LiveCollector(app))
@@ -290,7 +244,5 @@ def make_registry(app: web.Application) -> CollectorRegistry:
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
-    from rlproxy.appkeys import METRICS
-
     return web.Response(body=generate_latest(request.app[METRICS]),
                         headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})

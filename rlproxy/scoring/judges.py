@@ -92,35 +92,22 @@ class LocalJudge:
             if token in self.tokenizer.eos_token_ids:
                 break
             ids.append(token)
-            if self.busy() and self.yield_s:
-                time.sleep(self.yield_s)  # live traffic first
+            self._yield(0.0)
         return self.tokenizer.decode(ids)
 
     def _logprobs(self, prompt_ids, completion_ids) -> list[float]:
-        """log p(completion | prompt) per token, at temperature 1 (losses.token_logprobs: the
-        quantity the engine records). Through a KV cache, PREFILL_STEP positions at a time, so
-        a long prompt never materialises logits for every position."""
-        from functools import partial
+        """log p(completion | prompt) per token, at temperature 1 (the quantity the engine
+        records), PREFILL_STEP positions at a time: a long prompt never materialises logits for
+        every position."""
+        from rlproxy.serving.logprobs import sequence_logprobs
 
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
+        ids = list(prompt_ids) + list(completion_ids)
+        return sequence_logprobs(self.model, ids, start=len(prompt_ids), step=PREFILL_STEP,
+                                 between=self._yield).tolist()
 
-        from rlproxy.training.losses import token_logprobs
-
-        cache = make_prompt_cache(self.model)
-        ids, n = list(prompt_ids) + list(completion_ids), len(prompt_ids)
-        for start in range(0, n - 1, PREFILL_STEP):  # the prompt: only its keys and values
-            self.model(mx.array(ids[start:min(start + PREFILL_STEP, n - 1)])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            if self.busy() and self.yield_s:
-                time.sleep(self.yield_s)  # live traffic first
-        out: list[float] = []
-        for start in range(n - 1, len(ids) - 1, PREFILL_STEP):  # position t predicts ids[t + 1]
-            end = min(start + PREFILL_STEP, len(ids) - 1)
-            lp = token_logprobs(partial(self.model, cache=cache), mx.array(ids[start:end])[None],
-                                mx.array(ids[start + 1:end + 1])[None])
-            out += lp[0].tolist()
-        return out
+    def _yield(self, _spent: float) -> None:
+        if self.busy() and self.yield_s:
+            time.sleep(self.yield_s)  # live traffic first
 
 
 class RemoteJudge:

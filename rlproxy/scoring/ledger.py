@@ -18,9 +18,9 @@ Bounded: a session's state lives until it closes; then only its uids are kept, i
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from rlproxy.lru import LRU
 from rlproxy.scoring.judging import at_least_one
 
 
@@ -44,10 +44,9 @@ class Tally:
 class Ledger:
     def __init__(self, at_least_one: bool = True, keep_done: int = 65536):
         self.at_least_one = at_least_one
-        self.keep_done = keep_done
         self.tallies: dict[str, Tally] = {}
         self.session_of: dict[str, str] = {}  # uid -> its session, while that session is open
-        self.done: OrderedDict[str, float | None] = OrderedDict()  # closed sessions' uids -> r
+        self.done: LRU[str, float | None] = LRU(keep_done)  # closed sessions' uids -> reward
         self.pending = 0  # turns submitted and not scored yet
 
     # ---- what it knows ----
@@ -97,7 +96,7 @@ class Ledger:
         released now if positive), rescored (released already: released again), or unknown
         (not scored, or forgotten)."""
         if uid in self.done:
-            self.done[uid] = reward
+            self.done.put(uid, reward)
             return "rescored", [Release(uid, reward, "feedback")]
         sid = self.session_of.get(uid)
         if sid is None or uid not in self.tallies[sid].scored:
@@ -136,7 +135,7 @@ class Ledger:
     def restore_release(self, uid: str, reward: float | None) -> None:
         """A `release` line read back (its latest reward wins)."""
         if uid in self.done:
-            self.done[uid] = reward
+            self.done.put(uid, reward)
             return
         sid = self.session_of.get(uid)
         if sid is None:
@@ -178,6 +177,4 @@ class Ledger:
         tally = self.tallies.pop(sid)
         for uid, (_, reward) in tally.scored.items():
             del self.session_of[uid]
-            self.done[uid] = reward
-        while len(self.done) > self.keep_done:
-            self.done.popitem(last=False)
+            self.done.put(uid, reward)

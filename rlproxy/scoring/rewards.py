@@ -13,7 +13,8 @@ raising function is recorded as an error and never holds up serving or other sco
 that overran keeps its thread until it returns (Python cannot stop a thread), and its slot: at
 most `max_running` calls of one function run at once, and a call that finds no free slot within
 its time limit fails the same way, so a function that always hangs cannot pile up threads.
-Scorer-free, so the trainer's eval gate can use it.
+Scorer-free, so the trainer's eval gate can use it: `call_with_timeout` is the same thread, waited
+for from a thread instead of the event loop.
 """
 
 from __future__ import annotations
@@ -50,6 +51,42 @@ def call(fn: Callable, turn: dict, next_state, choice: int, new_style: bool):
     if choice != turn.get("chosen_choice", 0):
         turn = {**turn, "chosen_choice": choice}
     return fn(turn, next_state)
+
+
+class Overran(TimeoutError):
+    """A call that gave no answer within its time limit (its thread runs on)."""
+
+
+def call_in_thread(fn: Callable, args: tuple, done: Callable, name: str) -> threading.Thread:
+    """Start FN(*ARGS) on a daemon thread of its own, which calls DONE(result, error) when it
+    returns or raises. Python cannot stop a thread: a call that hangs keeps it until it ends."""
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except Exception as e:  # handed to DONE
+            result, error = None, e
+        except BaseException as e:  # SystemExit & co. must not end the caller
+            result, error = None, RuntimeError(f"raised {type(e).__name__}")
+        done(result, error)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def call_with_timeout(fn: Callable, args: tuple, timeout_s: float, name: str):
+    """FN(*ARGS) on a thread of its own, waited for at most TIMEOUT_S: its result, or its
+    exception raised here, or Overran (the thread is left running: a hung user function must not
+    hold the caller)."""
+    box: list = []
+    call_in_thread(fn, args, lambda result, error: box.append((result, error)), name).join(
+        timeout_s)
+    if not box:
+        raise Overran(f"no answer within {timeout_s:g} s")
+    result, error = box[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def clip_reward(value) -> float | None:
@@ -113,20 +150,14 @@ class RewardFunctions:
             slot.release()
             settle(future, result, error)
 
-        def run() -> None:
-            try:
-                result, error = call(self.functions[k], turn, turn["next_state"], i,
-                                     self.new_style[k]), None
-            except Exception as e:  # delivered to the awaiting coroutine
-                result, error = None, e
-            except BaseException as e:  # SystemExit & co. must not end the scorer
-                result, error = None, RuntimeError(f"raised {type(e).__name__}")
+        def handed_back(result, error) -> None:  # on the call's thread
             try:
                 loop.call_soon_threadsafe(ended, result, error)
             except RuntimeError:  # the event loop is gone (shutdown)
                 pass
 
-        threading.Thread(target=run, name=f"reward-{self.names[k]}", daemon=True).start()
+        call_in_thread(call, (self.functions[k], turn, turn["next_state"], i, self.new_style[k]),
+                       handed_back, f"reward-{self.names[k]}")
         try:
             return await asyncio.wait_for(asyncio.shield(future),
                                           max(0.0, deadline - loop.time()))
@@ -135,6 +166,7 @@ class RewardFunctions:
                 raise  # the function's own TimeoutError
             raise TimeoutError(f"no answer within {self.timeout_s:g} s "
                                "(--reward-timeout-s)") from None
+
 
 def settle(future: asyncio.Future, result, error) -> None:
     """Resolve FUTURE with a worker thread's outcome, unless its waiter already gave up."""

@@ -5,17 +5,18 @@ asks the judge for votes (rl), for a hint and the teacher's log-probs (opd), or 
 applies explicit feedback and reward functions, and writes one `score` line per turn to
 prm_scores.jsonl. When the turn's request asked for n > 1, every choice is scored against the
 same next state by the reward functions, and by the judge and teacher with --score-all-choices.
-When the ledger (scoring/ledger.py: at-least-one) releases a turn, each of its choices with something to
-train gets a `release` line and goes to `on_released` (the trainer's submit), with a group
-baseline when 2 or more of its choices have a reward (scoring/judging.py). Durable by construction: a
-turn is unscored until its `score` line is on disk, so after a crash or a judge outage it is
-simply scored again, once.
+When the ledger (scoring/ledger.py: at-least-one) releases a turn, each of its choices with
+something to train gets a `release` line and goes to `on_released` (the trainer's submit), with
+a group baseline when 2 or more of its choices have a reward (scoring/judging.py). Durable by
+construction: a turn is unscored until its `score` line is on disk, so after a crash or a judge
+outage it is simply scored again, once.
 
 Runs on the event loop and never blocks it: record lines go through the writer thread, reward
 functions and the teacher's chat template run on worker threads. Only `known` and `pending` are
-read from other threads. Bounded: a turn's state is kept while its session
-is open; after that only the last KEEP_RECENT released turns (for feedback that re-trains them)
-and KEEP_SCORED small summaries (for feedback that re-releases them) are.
+read from other threads. Bounded: a turn's state is kept while its session is open; after that
+only the last KEEP_RECENT released turns (for feedback that re-trains them) and KEEP_SCORED small
+summaries (for feedback that re-releases them) are. Counters: `ScorerStats`; `health()` is what
+/healthz shows under "scoring".
 """
 
 from __future__ import annotations
@@ -25,27 +26,37 @@ import hashlib
 import logging
 import threading
 import time
-from collections import OrderedDict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import orjson
 
+from rlproxy import paths
+from rlproxy.lru import LRU
 from rlproxy.ops import metrics
+from rlproxy.records import JsonlWriter, read_jsonl
 from rlproxy.scoring import judging as scoring
-from rlproxy.serving.chat_template import render_prompt
 from rlproxy.scoring.judges import JudgeUnavailable
 from rlproxy.scoring.ledger import Ledger, Release
-from rlproxy.records import CONVERSATIONS, JsonlWriter, read_jsonl
-from rlproxy.scoring.rewards import RewardFunctions, load_reward_functions  # noqa: F401  (re-export)
+from rlproxy.scoring.rewards import RewardFunctions
+from rlproxy.serving.chat_template import render_prompt
 from rlproxy.settings import ScoringSettings
 
 log = logging.getLogger("rlproxy.scorer")
-SCORES = "prm_scores.jsonl"
 KEEP_RECENT = 4096  # released turns kept whole for feedback that trains them again (README)
 RECENT_MB = 256.0  # ... and at most this much of them (a 15k-token turn packs to ~100 KB)
 KEEP_SCORED = 65536  # summaries of scored turns, for feedback that only re-releases them
 KEEP_FEEDBACK = 4096  # feedback for turns not scored yet
+
+
+@dataclass
+class ScorerStats:
+    scored: int = 0  # turns with a score line on disk
+    released: int = 0  # release lines written (one per choice)
+    waiting: int = 0  # turns waiting out a judge outage
+    outages: int = 0  # turns deferred because no judge answered
+    function_errors: int = 0  # reward function calls that failed
 
 
 def pack(record: dict) -> bytes:
@@ -74,27 +85,29 @@ class Scorer:
         self.rewards = RewardFunctions(settings.reward_functions, settings.reward_timeout_s)
         self.data_dir = Path(data_dir)
         self.on_released = on_released or (lambda scored: None)
-        self.keep_recent, self.recent_budget = keep_recent, int(recent_mb * 2**20)
-        self.keep_scored = keep_scored
+        self.keep_recent = keep_recent
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ledger = Ledger(at_least_one=settings.at_least_one and settings.method != "opd",
                              keep_done=keep_scored)
         self._lock = threading.Lock()  # the ledger is read from other threads (`known`)
         self.held: dict[str, tuple[dict, bytes | None]] = {}  # uid -> (score line, packed turn)
-        self.recent: OrderedDict[str, tuple[dict, bytes | None]] = OrderedDict()  # released
-        self.recent_bytes = 0
-        self.summaries: OrderedDict[str, dict] = OrderedDict()  # uid -> summary(score line)
-        self.feedback: OrderedDict[str, tuple[float, str | None]] = OrderedDict()  # not scored
+        # released turns: uid -> (score line, packed turn), bounded in count and bytes
+        self.recent: LRU[str, tuple[dict, bytes]] = LRU(keep_recent, int(recent_mb * 2**20))
+        self.summaries: LRU[str, dict] = LRU(keep_scored)  # uid -> summary(score line)
+        self.feedback: LRU[str, tuple[float, str | None]] = LRU(KEEP_FEEDBACK)  # not scored
         self.waiting: list[dict] = []  # deferred by a judge outage
-        self.stats = {"scored": 0, "released": 0, "waiting": 0, "outages": 0,
-                      "function_errors": 0}
+        self.stats = ScorerStats()
         self.semaphore = asyncio.Semaphore(settings.judge_concurrency)
         self._replay()
-        self.writer = JsonlWriter(self.data_dir / SCORES, fsync=fsync)
+        self.writer = JsonlWriter(self.data_dir / paths.SCORES, fsync=fsync)
 
     def close(self) -> None:
         """Write what is queued and close the file (not on the event loop: it waits)."""
         self.writer.close()
+
+    def health(self) -> dict:
+        """What /healthz shows under "scoring"."""
+        return {**asdict(self.stats), "pending": self.pending, "method": self.s.method}
 
     # ---- what it knows (thread-safe) ----
 
@@ -124,35 +137,36 @@ class Scorer:
         for feedback. Keeps the set of scored uids only while reading."""
         scored: set[str] = set()
         held: dict[str, dict] = {}  # uid -> score line, until its release line is read
-        recent: OrderedDict[str, dict] = OrderedDict()  # released lately -> score line
+        recent: LRU[str, dict] = LRU(self.keep_recent)  # released lately -> score line
         feedback: dict[str, tuple[float, str | None]] = {}
-        for line in read_jsonl(self.data_dir / SCORES):
+        for line in read_jsonl(self.data_dir / paths.SCORES):
             uid, kind = line.get("uid"), line.get("kind")
             if kind == "score":
                 line.setdefault("chosen_choice", 0)
                 scored.add(uid)
                 held[uid] = line
-                self._summarize(line)
+                self.summaries.put(uid, summary(line))
                 self.ledger.restore(uid, line["session_id"], line["index"], line["reward"],
                                     line["final"])
             elif kind == "release" and line.get("key", uid) == uid:  # the chosen choice's
                 self.ledger.restore_release(uid, line["reward"])
                 score = held.pop(uid, None) or recent.pop(uid, None)
                 if score is not None:
-                    recent[uid] = score
-                    if len(recent) > self.keep_recent:
-                        recent.popitem(last=False)
+                    recent.put(uid, score)
             elif kind == "feedback":
                 feedback[uid] = (line["reward"], line.get("comment"))
-        self.feedback.update((u, f) for u, f in feedback.items() if u not in scored)
-        for record in read_jsonl(self.data_dir / CONVERSATIONS):
+        for uid, f in feedback.items():
+            if uid not in scored:
+                self.feedback.put(uid, f)
+        for record in read_jsonl(self.data_dir / paths.CONVERSATIONS):
             uid = record.get("uid")
             if record.get("trainable") and uid not in scored:
                 self.submit(record)
             elif uid in held and self.ledger.is_held(uid):
                 self.held[uid] = (held[uid], pack(record))
             elif uid in recent:
-                self._keep_recent(uid, recent[uid], pack(record))
+                packed = pack(record)
+                self.recent.put(uid, (recent.peek(uid), packed), len(packed))
 
     # ---- the loop ----
 
@@ -186,19 +200,19 @@ class Scorer:
                 delay = min(delay * 2, 30.0)
             else:
                 delay = 1.0
-            self.stats["waiting"] = len(self.waiting)
+            self.stats.waiting = len(self.waiting)
 
     async def _score_safely(self, record: dict) -> None:
         try:
             await self.score(record)
         except JudgeUnavailable as e:
-            self.stats["outages"] += 1
+            self.stats.outages += 1
             log.warning("judge unavailable for turn %s (%s); it will be retried", record["uid"], e)
             self.waiting.append(record)
         except Exception:
             log.exception("scoring turn %s failed; it will be retried", record["uid"])
             self.waiting.append(record)
-        self.stats["waiting"] = len(self.waiting)
+        self.stats.waiting = len(self.waiting)
 
     async def _limited(self, make_call):
         async with self.semaphore:  # the call is made only once a slot is free
@@ -292,15 +306,15 @@ class Scorer:
             await self.writer.write_async(line)  # scored once this is on disk
         except Exception:
             if feedback:
-                self.feedback[uid] = feedback  # applied when the turn is scored again
+                self.feedback.put(uid, feedback)  # applied when the turn is scored again
             raise
         self.held[uid] = (line, packed)
-        self._summarize(line)
+        self.summaries.put(uid, summary(line))
         with self._lock:
             releases = self.ledger.score(uid, record["index"], line["reward"], line["final"])
         metrics.observe_score(line)
-        self.stats["scored"] += 1
-        self.stats["function_errors"] += len(errors)
+        self.stats.scored += 1
+        self.stats.function_errors += len(errors)
         for e in errors:
             log.warning("reward function %s failed on turn %s choice %d: %s", e["function"],
                         uid, e["choice"], e["error"])
@@ -327,8 +341,8 @@ class Scorer:
         """Write a released turn's release lines and hand its choices to the trainer (RECORD:
         the turn, when at hand; else it is unpacked)."""
         uid, feedback = release.uid, release.reason == "feedback"
-        line, packed = self.held.pop(uid, None) or self.recent.get(uid) or (
-            self.summaries.get(uid), None)
+        line, packed = self.held.pop(uid, None) or self.recent.peek(uid) or (
+            self.summaries.peek(uid), None)
         if line is None:
             return
         n = 1 + len(line.get("other_choices", []))
@@ -337,7 +351,7 @@ class Scorer:
                                       std_floor=self.s.group_std_floor)
         for out in lines:
             self.writer.write_nowait(out).add_done_callback(_log_failure)
-        self.stats["released"] += len(lines)
+        self.stats.released += len(lines)
         if feedback and release.reward is not None:  # a reward scoring never saw
             metrics.REWARD.observe(release.reward)
         if release.reason == "at_least_one":
@@ -345,7 +359,7 @@ class Scorer:
                      line["index"])
         if packed is None:
             return  # its turn is not in memory: `rlproxy train --from` reads it from the records
-        self._keep_recent(uid, line, packed)
+        self.recent.put(uid, (line, packed), len(packed))  # for feedback that trains it again
         record = record or orjson.loads(packed)
         for out in lines:
             item = scoring.released_item(record, line, out, self.s.w_opd, self.s.w_rl,
@@ -358,23 +372,6 @@ class Scorer:
                 log.exception("handing turn %s choice %d to the trainer failed", uid,
                               item["choice"])
 
-    def _keep_recent(self, uid: str, line: dict, packed: bytes) -> None:
-        old = self.recent.pop(uid, None)
-        if old is not None:
-            self.recent_bytes -= len(old[1])
-        self.recent[uid] = (line, packed)
-        self.recent_bytes += len(packed)
-        while self.recent and (len(self.recent) > self.keep_recent
-                               or self.recent_bytes > self.recent_budget):
-            _, (_, dropped) = self.recent.popitem(last=False)
-            self.recent_bytes -= len(dropped)
-
-    def _summarize(self, line: dict) -> None:
-        self.summaries[line["uid"]] = summary(line)
-        self.summaries.move_to_end(line["uid"])
-        while len(self.summaries) > self.keep_scored:
-            self.summaries.popitem(last=False)
-
     # ---- explicit feedback ----
 
     async def add_feedback(self, uid: str, session_id: str, reward: float,
@@ -383,19 +380,17 @@ class Scorer:
         when the turn is scored) | applied (the turn was held) | rescored (released again)."""
         await self.writer.write_async({"kind": "feedback", "uid": uid, "session_id": session_id,
                                        "reward": reward, "comment": comment, "at": time.time()})
-        entry = self.held.get(uid) or self.recent.get(uid)
-        line = entry[0] if entry else self.summaries.get(uid)
+        entry = self.held.get(uid) or self.recent.peek(uid)
+        line = entry[0] if entry else self.summaries.peek(uid)
         if line is None or self.ledger.is_pending(uid):
-            self.feedback[uid] = (reward, comment)
-            while len(self.feedback) > KEEP_FEEDBACK:
-                self.feedback.popitem(last=False)
+            self.feedback.put(uid, (reward, comment))
             return "pending"
         return self._apply_feedback(uid, line, reward)
 
     def _apply_feedback(self, uid: str, line: dict, reward: float) -> str:
         new = scoring.final_reward(line["judge_reward"], line["function_reward"], reward,
                                    self.s.feedback_mode)
-        for same in (line, self.summaries.get(uid)):
+        for same in (line, self.summaries.peek(uid)):
             if same is not None:
                 same["feedback"], same["reward"] = reward, new
         with self._lock:
@@ -405,6 +400,7 @@ class Scorer:
         for release in releases:
             self._release(release)
         return status
+
 
 def _log_failure(future) -> None:
     if future.exception() is not None:

@@ -4,9 +4,11 @@ One long-lived thread runs mlx-lm's `BatchGenerator` (continuous batching: reque
 leave between steps). The asyncio side talks to it only through `submit`, `cancel` and
 `publish_adapter`, which put messages in an inbox; results cross back with
 `loop.call_soon_threadsafe`. Nothing here knows HTTP, text, stop strings or sessions: the engine
-takes token ids and gives token ids with their log-probs (the records are serving/jobs.py). Sampling
-rules are serving/sampler.py; how a job's prompt KV gets ready (prefix-cache restore on a loader thread,
-long prompts prefilled chunk by chunk between decode steps) is serving/prefill.py.
+takes token ids and gives token ids with their log-probs (the records are serving/jobs.py).
+Sampling rules are serving/sampler.py; how a job's prompt KV gets ready (prefix-cache restore on
+a loader thread, long prompts prefilled chunk by chunk between decode steps) is
+serving/prefill.py; adapters served by name beside the live one (Tinker's sampler weights) are
+serving/named.py. Its counters are `EngineStats`, read by /healthz, /metrics and the dashboard.
 
 With a prefix cache (kv/prefix_cache.py), each new job starts from the longest stored prefix of its
 prompt under the adapter now served or, with `--kv-reuse-max-lag N`, one of the N before it, and
@@ -28,6 +30,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import mlx.core as mx
@@ -38,11 +41,27 @@ from rlproxy.ops import metrics
 from rlproxy.serving.jobs import Job, SamplingParams, Step, Token  # noqa: F401  (the engine's interface)
 from rlproxy.kv.blobs import adapter_fingerprint, weights_fingerprint
 from rlproxy.serving.mlx_threads import mlx_thread
+from rlproxy.serving.named import NamedAdapters
 from rlproxy.serving.prefill import Loader, PrefillLane
 from rlproxy.kv.prefix_cache import PrefixCache
 from rlproxy.serving.sampler import make_processors, make_sampler
 
 log = logging.getLogger("rlproxy.engine")
+
+
+@dataclass
+class EngineStats:
+    """What /healthz shows under "engine"; the engine thread writes it, anyone reads it."""
+
+    requests: int = 0  # jobs started, live and named adapters
+    active: int = 0  # in the decode batch or the prefill lane
+    tokens: int = 0  # tokens delivered
+    steps: int = 0  # batched decode steps of the live adapter
+    swaps: int = 0  # adapters applied
+    last_swap_ms: float = 0.0
+    prefill_chunks: int = 0
+    last_prefill_chunk_ms: float = 0.0
+    max_prefill_chunk_ms: float = 0.0  # the longest a prefill held decoding up
 
 
 class Engine:
@@ -60,9 +79,7 @@ class Engine:
         self.direct_prefill = max(1, prefill_step_size // min(8, max_batch))
         self.adapter_version = 0
         self.error: str | None = None  # set if the thread died; /healthz reports it
-        self.stats = {"requests": 0, "active": 0, "tokens": 0, "steps": 0, "swaps": 0,
-                      "last_swap_ms": 0.0, "prefill_chunks": 0, "last_prefill_chunk_ms": 0.0,
-                      "max_prefill_chunk_ms": 0.0}  # the longest a prefill held decoding up
+        self.stats = EngineStats()
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._running = False
@@ -70,7 +87,8 @@ class Engine:
         self._loader: Loader | None = None
         self._gen: BatchGenerator | None = None
         self._jobs: dict[int, Job] = {}  # in the live BatchGenerator, by uid
-        self._named: dict[str, tuple] = {}  # adapter name -> (its BatchGenerator, {uid: Job})
+        self._named = NamedAdapters(self._new_generator, self._fail, self.eos_token_ids,
+                                    self.stats)
         self._lane = PrefillLane(model, prefill_step_size)
 
     # ---- entry points (any thread) ----
@@ -97,6 +115,10 @@ class Engine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def health(self) -> dict:
+        """What /healthz shows under "engine"."""
+        return asdict(self.stats)
+
     def submit(self, job: Job) -> Job:
         if job.params.seed is None:
             job.params.seed = secrets.randbits(63)
@@ -109,7 +131,7 @@ class Engine:
     def busy(self) -> bool:
         """Requests waiting to start or decoding (thread-safe): the trainer yields meanwhile."""
         loading = self._loader is not None and self._loader.busy()
-        return bool(self._inbox) or loading or self.stats["active"] > 0
+        return bool(self._inbox) or loading or self.stats.active > 0
 
     def cancel(self, job: Job) -> None:
         self._post("cancel", job)
@@ -156,10 +178,10 @@ class Engine:
                 self.error = f"{type(e).__name__}: {e}"
             finally:
                 self._fail_all(self.error or "the engine stopped")
-                for gen in [self._gen, *(g for g, _ in self._named.values())]:
-                    if gen is not None:
-                        gen.close()
-                self._gen, self._named = None, {}
+                if self._gen is not None:
+                    self._gen.close()
+                self._named.close()
+                self._gen = None
 
     def _new_generator(self, model: nn.Module | None = None) -> BatchGenerator:
         return BatchGenerator(
@@ -178,10 +200,10 @@ class Engine:
         previous_version = self.adapter_version
         while self._running:
             self._drain_inbox()
-            self._step_named()  # named adapters' requests: one step each, between live steps
-            self.stats["active"] = len(self._jobs) + len(self._lane)
+            self._named.step()  # named adapters' requests: one step each, between live steps
+            self.stats.active = len(self._jobs) + len(self._lane)
             if not self._jobs and not self._lane:
-                if not any(jobs for _, jobs in self._named.values()):
+                if not self._named.busy():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                 previous_version = self.adapter_version
@@ -200,7 +222,7 @@ class Engine:
                 self._gen = self._new_generator()
                 continue
             self._lane.decoded(time.perf_counter() - tic)
-            self.stats["steps"] += 1
+            self.stats.steps += 1
             if responses:
                 self._deliver(responses, previous_version)
             previous_version = self.adapter_version
@@ -219,11 +241,11 @@ class Engine:
                 if self.prefix_cache is not None:
                     self.prefix_cache.set_adapter(version, fingerprint)
                 self.adapter_version = version  # last: who sees it sees the cache switched too
-                self.stats["swaps"] += 1
-                self.stats["last_swap_ms"] = (time.perf_counter() - tic) * 1000
-                metrics.observe_swap(self.stats["last_swap_ms"] / 1000, version)
+                self.stats.swaps += 1
+                self.stats.last_swap_ms = (time.perf_counter() - tic) * 1000
+                metrics.observe_swap(self.stats.last_swap_ms / 1000, version)
             elif kind in ("add_adapter", "drop_adapter"):
-                self._change_named(kind, payload)
+                self._named.change(kind, *payload)
 
     def _insert(self, job: Job) -> None:
         if job.done or not self._running:  # cancelled before it started, or shutting down
@@ -231,7 +253,7 @@ class Engine:
                 self._fail(job, "the engine stopped")
             return
         if job.adapter is not None:
-            return self._insert_named(job)
+            return self._named.insert(job)
         restored, job.restored = job.restored, None
         if self.prefix_cache is not None:
             served = self.prefix_cache.served()
@@ -240,12 +262,12 @@ class Engine:
                 restored, job.cached_tokens, job.kv_source = None, 0, served
             else:  # the prefix's tokens count as prompt for the sampler's context
                 job.cached_version = job.kv_source[0]
-        self.stats["requests"] += 1
+        self.stats.requests += 1
         if len(job.prompt_ids) - job.cached_tokens > self.direct_prefill:
             self._lane.add(job, restored)  # prefilled a chunk at a time, between decode steps
         else:
             self._start(job, restored, job.cached_tokens)
-        self.stats["active"] = len(self._jobs) + len(self._lane)  # the judge yields now
+        self.stats.active = len(self._jobs) + len(self._lane)  # the judge yields now
 
     def _start(self, job: Job, cache: list | None, done: int) -> None:
         """Hand the job to the BatchGenerator with KV for prompt_ids[:done] (or none)."""
@@ -277,15 +299,15 @@ class Engine:
             self._fail(item.job, f"{type(e).__name__}: {e}")
             return
         chunk_ms = self._lane.last_chunk_s * 1000
-        self.stats["prefill_chunks"] = self._lane.chunks
-        self.stats["last_prefill_chunk_ms"] = chunk_ms
-        self.stats["max_prefill_chunk_ms"] = max(self.stats["max_prefill_chunk_ms"], chunk_ms)
+        self.stats.prefill_chunks = self._lane.chunks
+        self.stats.last_prefill_chunk_ms = chunk_ms
+        self.stats.max_prefill_chunk_ms = max(self.stats.max_prefill_chunk_ms, chunk_ms)
         if ready:
             self._start(item.job, item.cache, item.done)
 
     def _cancel(self, job: Job) -> None:
         if job.adapter is not None:
-            return self._cancel_named(job)
+            return self._named.cancel(job)
         if job.uid is not None and job.uid in self._jobs:
             if self.prefix_cache is None:
                 self._gen.remove([job.uid])
@@ -317,7 +339,7 @@ class Engine:
             k = job.params.top_logprobs
             top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k else None
             token = Token(id=r.token, logprob=chosen[i], adapter_version=version, top=top)
-            self.stats["tokens"] += 1
+            self.stats.tokens += 1
             if r.finish_reason is not None:
                 del self._jobs[r.uid]
                 job.done = True
@@ -344,8 +366,7 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         self._running = False
-        for _, jobs in self._named.values():
-            self._fail_jobs(jobs, message)
+        self._named.fail_all(message)
         self._fail_jobs(self._jobs, message)
         for item in list(self._lane.items):
             self._lane.remove(item.job)
@@ -354,65 +375,6 @@ class Engine:
             kind, payload = self._inbox.popleft()
             if kind == "submit" and not payload.done:
                 self._fail(payload, message)
-
-    # ---- named adapters: a BatchGenerator each, stepped in turn with the live one ----
-
-    def _change_named(self, kind: str, payload) -> None:
-        name, model = payload
-        old = self._named.pop(name, None)
-        if old is not None:
-            self._fail_jobs(old[1], f"adapter {name!r} was replaced")
-            old[0].close()
-        if kind == "add_adapter":
-            self._named[name] = (self._new_generator(model), {})
-
-    def _insert_named(self, job: Job) -> None:
-        lane, p = self._named.get(job.adapter), job.params
-        try:
-            if lane is None:
-                raise KeyError(f"no adapter named {job.adapter!r} is loaded")
-            (uid,) = lane[0].insert(
-                [job.prompt_ids], max_tokens=[p.max_tokens],
-                samplers=[make_sampler(p.temperature, p.top_p, p.seed, p.top_k)],
-                logits_processors=[make_processors(p.logit_bias, p.presence_penalty,
-                                                   p.frequency_penalty)],
-                stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])])
-        except Exception as e:
-            self._fail(job, f"{type(e).__name__}: {e}")
-            return
-        job.uid = uid
-        lane[1][uid] = job
-        self.stats["requests"] += 1
-
-    def _step_named(self) -> None:
-        for name, (gen, jobs) in list(self._named.items()):
-            if not jobs:
-                continue
-            try:
-                _, responses = gen.next()
-            except Exception as e:  # this adapter's requests fail, nothing else
-                log.exception("decode step for adapter %s failed", name)
-                self._fail_jobs(jobs, f"{type(e).__name__}: {e}")
-                self._change_named("add_adapter", (name, gen.model))  # a fresh generator
-                continue
-            for r in responses:
-                job = jobs.get(r.uid)
-                if job is None:
-                    continue
-                lp = r.logprobs.reshape(-1)[r.token].item()  # temperature 1, as the live lane
-                self.stats["tokens"] += 1
-                if r.finish_reason is not None:
-                    del jobs[r.uid]
-                    job.done = True
-                job.deliver(Step(token=Token(id=r.token, logprob=lp, adapter_version=0),
-                                 finish_reason=r.finish_reason))
-
-    def _cancel_named(self, job: Job) -> None:
-        lane = self._named.get(job.adapter)
-        if lane is not None and job.uid in lane[1]:
-            lane[0].remove([job.uid])
-            del lane[1][job.uid]
-        job.done = True
 
 
 def _unflatten(weights: dict[str, mx.array]):

@@ -21,6 +21,7 @@ import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
+from rlproxy.paths import ADAPTER_CONFIG
 from rlproxy.serving import gguf
 from rlproxy.serving.embedded_model import SIZES, embedded_model_path
 from rlproxy.serving.model_fetch import NAMED_MODELS, model_cache_dir, named_model_file
@@ -109,7 +110,7 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
         path_or_id, adapter_path=settings.adapter, return_config=True
     )
     if settings.adapter:
-        lora_config = json.loads((Path(settings.adapter) / "adapter_config.json").read_text())
+        lora_config = json.loads((Path(settings.adapter) / ADAPTER_CONFIG).read_text())
     else:
         lora_config = lora_config_from(settings, len(model.layers))
         linear_to_lora_layers(model, lora_config["num_layers"], lora_config["lora_parameters"])
@@ -155,5 +156,5 @@ def save_adapter(model: nn.Module, lora_config: dict, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "adapters.safetensors"), lora_weights(model))
-    (path / "adapter_config.json").write_text(json.dumps(lora_config, indent=2))
+    (path / ADAPTER_CONFIG).write_text(json.dumps(lora_config, indent=2))
     return path

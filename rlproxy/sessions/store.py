@@ -1,15 +1,16 @@
-"""Sessions, their threads, and turns: where a request belongs, and each turn's next state.
+"""The session store: open sessions and their threads in memory, and each turn's next state.
 
-Owns the session protocol (headers and body fallbacks), the open sessions and their threads in
-memory, linking a turn to its next state (every message its thread's next request adds after the
-turn's assistant message), closing threads (compaction) and sessions (done header, end call,
-idle timeout, eviction past `max_open_sessions`), whether a main turn trains (X-RL-Train,
-`train_sessions_matching`), and handing each finished turn to the record files and to the
-scorer. A turn whose response completed is journaled before the response's last bytes go out
-(`complete` returns the future the caller awaits), so a crash loses no acknowledged turn; every
-other line is queued for the records' writer thread, so the event loop never waits on the disk.
-The matching and side/compaction rules are pure functions in sessions/threads.py. Knows nothing of HTTP
-or MLX; callers pass in parsed messages and the exact ids.
+`resolve` places a request in its session and thread, decides its turn type and whether a main
+turn trains (X-RL-Train, `train_sessions_matching`), and links the thread's pending turn to its
+next state. `complete` files the finished turn. Threads close on compaction and eviction,
+sessions on the done header, an end call, the idle timeout and past `max_open_sessions`. A
+completed main turn is journaled before the response's last bytes go out (`complete` returns the
+future the caller awaits), so a crash loses no acknowledged turn; other lines are queued for the
+records' writer thread, so the event loop never waits on the disk.
+
+Its records are in sessions/turn.py, the message rules in sessions/threads.py, the X-Request-Id
+replay cache in sessions/replay.py. Knows nothing of HTTP, MLX, scoring or training: callers pass
+parsed messages and tags, and each trainable turn goes to `on_trainable`.
 """
 
 from __future__ import annotations
@@ -21,147 +22,34 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import orjson
-
+from rlproxy.lru import LRU
+from rlproxy.paths import CONVERSATIONS, PENDING
+from rlproxy.records import JsonlWriter, all_written, compact_pending, load_pending, read_jsonl
 from rlproxy.sessions import threads as rules
-from rlproxy.api.tags import TurnTags
-from rlproxy.records import (
-    CONVERSATIONS, PENDING, JsonlWriter, all_written, compact_pending, load_pending, read_jsonl,
-)
+from rlproxy.sessions.replay import ReplayCache
 from rlproxy.sessions.threads import prefix_hashes, turn_heads
+from rlproxy.sessions.turn import (
+    Placement, Session, Thread, Turn, compacted_thread, find_turn, match_thread, new_thread,
+    next_state, rewritten_thread, tool_threads,
+)
+
+if TYPE_CHECKING:  # the edge parses the headers (api/tags.py); the store only reads them
+    from rlproxy.api.tags import TurnTags
 
 log = logging.getLogger("rlproxy.sessions")
-
-@dataclass
-class Turn:
-    uid: str
-    session_id: str
-    index: int
-    turn_type: str
-    requested_model: str
-    messages: list[dict]  # the prompt messages, as templated
-    tools: list[dict] | None
-    prompt_ids: list[int]  # exactly as templated for sampling
-    choices: list[dict]  # completion_ids, logprobs, adapter_versions, text, tool_calls, ...
-    sampling: dict
-    timings: dict
-    turn_id: str | None = None
-    step_index: int | None = None
-    request_id: str | None = None
-    next_state: list[dict] | None = None
-    next_state_link: str | None = None  # "prefix" | "after_last_assistant"
-    chosen_choice: int = 0  # which choice the conversation continued from (n > 1)
-    end: str | None = None  # why no next state: session_done | ended | idle_timeout |
-    # superseded | compacted | evicted
-    api: str = "chat"  # the front door it came through: chat | responses | messages
-    thread: str | None = None  # the thread of its session it belongs to (set by complete())
-    side_rule: str | None = None  # why it is a side turn: header | probe | aside (sessions/threads.py)
-    no_train: str | None = None  # why a main turn does not train: header (X-RL-Train: 0) |
-    # train_sessions_matching (its session id does not match)
-
-    @property
-    def trainable(self) -> bool:
-        return self.turn_type == "main" and self.no_train is None
-
-    def record(self) -> dict:
-        # Shallow (asdict deep-copies 15k-token id lists): nothing changes a filed turn's lists.
-        return {"kind": "turn", **{f.name: getattr(self, f.name) for f in fields(self)},
-                "trainable": self.trainable}
-
-    def summary(self) -> dict:
-        c = self.choices[self.chosen_choice]
-        return {"uid": self.uid, "index": self.index, "turn_type": self.turn_type,
-                "side_rule": self.side_rule, "thread": self.thread, "api": self.api,
-                "turn_id": self.turn_id, "step_index": self.step_index,
-                "prompt_tokens": len(self.prompt_ids), "completion_tokens": len(c["completion_ids"]),
-                "text": c["text"], "tool_calls": c["tool_calls"], "finish_reason": c["finish_reason"],
-                "next_state": self.next_state, "end": self.end, "trainable": self.trainable}
-
-
-@dataclass
-class Thread:
-    """One line of conversation in a session: each of its requests continues its last turn."""
-
-    id: str
-    session_id: str
-    system: str  # threads.system_key of its first request
-    tools: str  # threads.tools_key
-    has_tools: bool
-    first_user: str  # threads.first_user_key
-    prompt_len: int = 0  # messages in its latest main request
-    main: bool = False  # a main request went into it
-    turns: int = 0
-    last_turn: str | None = None  # uid
-    last_active: float = field(default_factory=time.time)
-    pending: Turn | None = None  # its last main turn, waiting for its next state
-    heads: set[str] = field(default_factory=set)  # prefix hashes that continue it
-    closed: str | None = None  # compacted | evicted | the session's closing reason
-    compacts: str | None = None  # the thread whose history its first request summarized
-
-    def summary(self) -> dict:
-        return {"id": self.id, "open": self.closed is None, "closed": self.closed,
-                "main": self.main, "tools": self.has_tools, "turns": self.turns,
-                "last_turn": self.last_turn, "pending": self.pending.uid if self.pending else None,
-                "compacts": self.compacts}
-
-
-@dataclass
-class Session:
-    id: str
-    inferred: bool  # opened for a request without X-Session-Id
-    created: float = field(default_factory=time.time)
-    last_active: float = field(default_factory=time.time)
-    turn_count: int = 0
-    threads: dict[str, Thread] = field(default_factory=dict)
-    heads: dict[str, Thread] = field(default_factory=dict)  # prefix hash -> thread it continues
-    turns: list[dict] = field(default_factory=list)  # summaries of finished turns
-    closed: str | None = None  # the reason, once closed
-
-    def pending(self) -> list[Turn]:
-        return [t.pending for t in self.threads.values() if t.pending is not None]
-
-    def summary(self, with_turns: bool = False) -> dict:
-        out = {"id": self.id, "open": self.closed is None, "closed": self.closed,
-               "inferred": self.inferred, "created": self.created,
-               "last_active": self.last_active, "turns": self.turn_count,
-               "threads_open": sum(t.closed is None for t in self.threads.values())}
-        if with_turns:
-            out["threads"] = [t.summary() for t in self.threads.values()]
-            out["turn_list"] = sorted(self.turns + [t.summary() for t in self.pending()],
-                                      key=lambda t: t["index"])
-        return out
-
-
-@dataclass
-class Placement:
-    """Where one request goes: its session, its thread, and its turn type (with the reason)."""
-
-    session: Session
-    thread: Thread
-    turn_type: str
-    side_rule: str | None
-    opened: bool  # this request opened the thread
-    explicit: bool  # the type came from X-Turn-Type: no rule may change it
-    no_train: str | None = None  # a main turn here does not train, and why (Turn.no_train)
-
 
 MAX_OPEN_THREADS = 64  # per session; beyond it the least recently active idle one is closed
 KEEP_CLOSED_IDS = 65536  # closed sessions whose numbering a reopen continues (oldest forgotten)
 
 
-KEEP_RESPONSES_BYTES = 256 * 2**20  # kept X-Request-Id responses, at most
-
-
-def kept_size(kept) -> int:
-    """About the bytes a kept response holds: its SSE payloads, else its body."""
-    if isinstance(kept, dict) and kept.get("events"):
-        return sum(len(p) for p in kept["events"])
-    return len(orjson.dumps(kept.get("body") if isinstance(kept, dict) else kept,
-                            default=str))
+@dataclass
+class SessionStats:
+    idle_closed: int = 0  # sessions closed by the idle sweep
+    evicted: int = 0  # sessions closed past `max_open_sessions`
 
 
 class SessionStore:
@@ -179,23 +67,20 @@ class SessionStore:
         self.on_closed = on_closed or (lambda session_id: None)  # after its last turn is filed
         self.open: OrderedDict[str, Session] = OrderedDict()  # least recently active first
         self.closed: deque[Session] = deque(maxlen=keep_closed)
-        self.stats = {"idle_closed": 0, "evicted": 0}
+        self.stats = SessionStats()
         self._threads: dict[str, Thread] = {}  # open threads of open sessions, by id
         self._inferred_heads: dict[str, Thread] = {}  # header-less matching across sessions
-        self._responses: OrderedDict[str, object] = OrderedDict()  # X-Request-Id -> (kept, bytes)
-        self._running: dict[str, asyncio.Future] = {}  # X-Request-Id -> its attempt running
-        self._keep_responses = keep_responses
-        self._responses_bytes = 0
+        self.replay = ReplayCache(keep_responses)  # X-Request-Id -> the response it got
         # A kill between a turn's record line and its tombstone leaves it in both files: the
         # record wins. Explicit session ids also continue their turn numbering across restarts.
         recorded: set[str] = set()
         # closed sessions: (the index their next turn gets, inferred: a chain may reopen one)
-        self._reopen: OrderedDict[str, tuple[int, bool]] = OrderedDict()
+        self._reopen: LRU[str, tuple[int, bool]] = LRU(max_items=KEEP_CLOSED_IDS)
         for r in read_jsonl(self.data_dir / CONVERSATIONS):
             recorded.add(r.get("uid"))
             sid = r.get("session_id")
             nxt = max(self._reopen.pop(sid, (0, False))[0], r.get("index", 0) + 1)
-            self._remember_closed(sid, nxt, False)
+            self._reopen.put(sid, (nxt, False))
         self.conversations = JsonlWriter(self.data_dir / CONVERSATIONS, fsync=fsync)
         pending = [e for e in load_pending(self.data_dir / PENDING) if e["uid"] not in recorded]
         compact_pending(self.data_dir / PENDING, pending)
@@ -206,6 +91,11 @@ class SessionStore:
     def close(self) -> None:
         self.conversations.close()
         self.journal.close()
+
+    def health(self) -> dict:
+        """What /healthz shows of the sessions."""
+        return {"open": len(self.open),
+                "awaiting_next_state": sum(len(s.pending()) for s in list(self.open.values()))}
 
     # ---- where a request goes ----
 
@@ -223,11 +113,11 @@ class SessionStore:
             if session is None:  # new, or reopened (after a restart or a close): numbering goes on
                 nxt, inferred = self._reopen.pop(tags.session_id, (0, False))
                 session = self._add(Session(tags.session_id, inferred=inferred, turn_count=nxt))
-            thread = hinted or self._match(session.heads, hashes)
+            thread = hinted or match_thread(session.heads, hashes)
         elif hinted is not None:
             session, thread = self.open[hinted.session_id], hinted
         else:
-            thread = self._match(self._inferred_heads, hashes)
+            thread = match_thread(self._inferred_heads, hashes)
             session = self.open[thread.session_id] if thread else None
             if session is None:
                 session = self._add(Session(f"auto-{uuid.uuid4().hex[:16]}", inferred=True))
@@ -235,10 +125,12 @@ class SessionStore:
         turn_type, why = self._turn_type(tags, session, messages, tools, max_tokens)
         rewritten, compacted = False, None
         if thread is None and turn_type == "main" and not session.inferred:
-            thread = self._rewritten(session, messages, tools)
+            thread = rewritten_thread(session, messages, tools)
             rewritten = thread is not None
             if thread is None:
-                compacted = self._compacted(session, messages, tools)
+                compacted = compacted_thread(session, messages, tools)
+                if compacted is not None:
+                    self._close_thread(session, compacted, "compacted")
         opened = thread is None
         if opened:
             thread = self._open_thread(session, messages, tools)
@@ -264,7 +156,7 @@ class SessionStore:
         while len(self.open) >= self.max_open_sessions:
             oldest = next(iter(self.open))
             self._close(oldest, "evicted")
-            self.stats["evicted"] += 1
+            self.stats.evicted += 1
             log.debug("session %s evicted (%d open sessions at most)", oldest,
                       self.max_open_sessions)
         self.open[session.id] = session
@@ -275,57 +167,16 @@ class SessionStore:
         if self.open.get(session.id) is session:
             self.open.move_to_end(session.id)
 
-    def _remember_closed(self, session_id: str, next_index: int, inferred: bool) -> None:
-        self._reopen[session_id] = (next_index, inferred)
-        self._reopen.move_to_end(session_id)
-        while len(self._reopen) > KEEP_CLOSED_IDS:
-            self._reopen.popitem(last=False)
-
-    @staticmethod
-    def _match(heads: dict[str, Thread], hashes: list[str]) -> Thread | None:
-        for h in reversed(hashes):  # the longest matching prefix wins
-            thread = heads.get(h)
-            if thread is not None and thread.closed is None:
-                return thread
-        return None
-
     def _turn_type(self, tags: TurnTags, session: Session, messages, tools,
                    max_tokens) -> tuple[str, str | None]:
         if tags.explicit_type:
             return tags.turn_type, "header" if tags.turn_type == "side" else None
         why = rules.side_rule(max_tokens, bool(tools), rules.system_key(messages),
-                              self._tool_threads(session))
+                              tool_threads(session))
         return ("side", why) if why else ("main", None)
 
-    @staticmethod
-    def _tool_threads(session: Session, but: Thread | None = None) -> list[tuple[str, bool]]:
-        return [(t.system, t.main) for t in session.threads.values()
-                if t.closed is None and t.has_tools and t is not but]
-
-    def _same_agent(self, session: Session, messages, tools) -> list[Thread]:
-        """Open main threads with this request's system prompt and tools, latest first."""
-        system, tkey = rules.system_key(messages), rules.tools_key(tools)
-        same = [t for t in session.threads.values()
-                if t.closed is None and t.main and t.system == system and t.tools == tkey]
-        return sorted(same, key=lambda t: t.last_active, reverse=True)
-
-    def _rewritten(self, session: Session, messages, tools) -> Thread | None:
-        first = rules.first_user_key(messages)
-        return next((t for t in self._same_agent(session, messages, tools) if t.pending
-                     and rules.is_rewrite(messages, first, t.prompt_len, t.first_user)), None)
-
-    def _compacted(self, session: Session, messages, tools) -> Thread | None:
-        """Close the thread this request's history summarizes, if there is one."""
-        first = rules.first_user_key(messages)
-        old = next((t for t in self._same_agent(session, messages, tools)
-                    if rules.is_compaction(messages, first, t.prompt_len, t.first_user)), None)
-        if old is not None:
-            self._close_thread(session, old, "compacted")
-        return old
-
     def _open_thread(self, session: Session, messages, tools) -> Thread:
-        thread = Thread(f"th-{uuid.uuid4().hex[:12]}", session.id, rules.system_key(messages),
-                        rules.tools_key(tools), bool(tools), rules.first_user_key(messages))
+        thread = new_thread(session.id, messages, tools)
         live = [t for t in session.threads.values() if t.closed is None and t.pending is None]
         if len(live) >= MAX_OPEN_THREADS:  # title calls open one each: keep memory bounded
             self._close_thread(session, min(live, key=lambda t: t.last_active), "evicted")
@@ -336,15 +187,8 @@ class SessionStore:
     def _link(self, session: Session, thread: Thread, messages: list[dict], hashes: list[str],
               by_prefix: bool = True) -> None:
         turn = thread.pending
-        turn.next_state_link = "after_last_assistant"
-        for i, choice in enumerate(turn.choices if by_prefix else []):
-            k = len(turn.messages) + 1
-            if len(hashes) >= k and hashes[k - 1] == turn_heads(turn.messages, [choice])[0]:
-                turn.next_state, turn.chosen_choice, turn.next_state_link = messages[k:], i, "prefix"
-                break
-        else:  # the agent rewrote its history: take what follows its last assistant message
-            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-            turn.next_state = messages[last + 1:]
+        turn.next_state, turn.chosen_choice, turn.next_state_link = next_state(
+            turn, messages, hashes, by_prefix)
         self._finish(session, thread, turn)
 
     # ---- turns ----
@@ -361,7 +205,7 @@ class SessionStore:
             # A call opened beside a tool-using thread that started after it (an agent's
             # concurrent title call): the aside rule can only be checked now.
             why = rules.side_rule(None, bool(turn.tools), rules.system_key(turn.messages),
-                                  self._tool_threads(session, but=thread))
+                                  tool_threads(session, but=thread))
             if why:
                 turn.turn_type, turn.side_rule = "side", why
                 thread.main = thread.pending is not None
@@ -468,7 +312,7 @@ class SessionStore:
                 self._close_thread(session, thread, reason)
         session.closed = reason
         self.closed.append(session)
-        self._remember_closed(session_id, session.turn_count, session.inferred)
+        self._reopen.put(session_id, (session.turn_count, session.inferred))
         self.on_closed(session_id)
         return True
 
@@ -485,7 +329,7 @@ class SessionStore:
             closed.append(session.id)
             if budget_s is not None and time.perf_counter() - start >= budget_s:
                 break
-        self.stats["idle_closed"] += len(closed)
+        self.stats.idle_closed += len(closed)
         return closed
 
     def find(self, session_id: str) -> Session | None:
@@ -497,54 +341,28 @@ class SessionStore:
                   last: bool = False) -> str | None:
         """The uid of one turn of an open or recently closed session, or None."""
         session = self.find(session_id)
-        if session is None:
-            return None
-        turns = session.summary(with_turns=True)["turn_list"]
-        if last:
-            main = [t for t in turns if t["turn_type"] == "main"]
-            return main[-1]["uid"] if main else None
-        for t in turns:
-            if ((uid is not None and t["uid"] == uid)
-                    or (index is not None and t["index"] == index)
-                    or (turn_id is not None and t["turn_id"] == turn_id
-                        and (step_index is None or t["step_index"] == step_index))):
-                return t["uid"]
-        return None
+        return None if session is None else find_turn(
+            session, uid=uid, index=index, turn_id=turn_id, step_index=step_index, last=last)
 
     # ---- idempotency (X-Request-Id) ----
 
     def stored_response(self, request_id: str):
         """The kept response; the future of the attempt still running; or None."""
-        kept = self._responses.get(request_id)
-        return self._running.get(request_id) or (kept[0] if kept is not None else None)
+        return self.replay.stored_response(request_id)
 
     def start_response(self, request_id: str) -> asyncio.Future:
         """This attempt runs: a repeat waits on the future until `finish_response`."""
-        running = self._running[request_id] = asyncio.get_running_loop().create_future()
-        return running
+        return self.replay.start_response(request_id)
 
     def finish_response(self, request_id: str, kept) -> None:
         """The attempt ended: keep its response, or None (it failed: a repeat runs anew)."""
-        running = self._running.pop(request_id, None)
-        if kept is not None:
-            size = kept_size(kept)
-            if request_id in self._responses:
-                self._responses_bytes -= self._responses.pop(request_id)[1]
-            self._responses[request_id] = (kept, size)
-            self._responses_bytes += size
-            # the last `keep_responses`, within KEEP_RESPONSES_BYTES (streams with logprobs
-            # run to megabytes each): the oldest go first
-            while len(self._responses) > self._keep_responses or (
-                    self._responses_bytes > KEEP_RESPONSES_BYTES and len(self._responses) > 1):
-                self._responses_bytes -= self._responses.popitem(last=False)[1][1]
-        if running is not None and not running.done():
-            running.set_result(kept)
+        self.replay.finish_response(request_id, kept)
 
     # ---- restart ----
 
     def _restore(self, entry: dict) -> None:
         """A journaled turn still waiting for its next state: its session and thread reopen."""
-        turn = Turn(**{k: v for k, v in entry.items() if k in Turn.__dataclass_fields__})
+        turn = Turn.from_record(entry)
         session = self.open.get(turn.session_id)
         if session is None:
             nxt, _ = self._reopen.pop(turn.session_id, (0, False))
@@ -553,9 +371,7 @@ class SessionStore:
         session.turn_count = max(session.turn_count, turn.index + 1)
         thread = session.threads.get(turn.thread) if turn.thread else None
         if thread is None:
-            thread = Thread(turn.thread or f"th-{uuid.uuid4().hex[:12]}", session.id,
-                            rules.system_key(turn.messages), rules.tools_key(turn.tools),
-                            bool(turn.tools), rules.first_user_key(turn.messages))
+            thread = new_thread(session.id, turn.messages, turn.tools, turn.thread)
             session.threads[thread.id] = thread
             self._threads[thread.id] = thread
         turn.thread = thread.id

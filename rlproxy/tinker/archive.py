@@ -11,7 +11,8 @@ import tarfile
 
 from aiohttp import web
 
-from rlproxy.tinker.state import checkpoint_dir, json_ok, state
+from rlproxy.api.edge import json_response
+from rlproxy.tinker.state import checkpoint_dir, state
 from rlproxy.tinker.wire import UserError
 
 
@@ -28,7 +29,7 @@ async def list_checkpoints(request):
                             "training" if kind == "weights" else "sampler",
                             "tinker_path": f"tinker://{run}/{kind}/{p.name}",
                             "size_bytes": sum(f.stat().st_size for f in p.iterdir())})
-    return json_ok({"checkpoints": out})
+    return json_response({"checkpoints": out})
 
 
 async def download_checkpoint(request):
@@ -38,9 +39,9 @@ async def download_checkpoint(request):
         path = checkpoint_dir(st, request.match_info["run"], request.match_info["kind"],
                               request.match_info["name"])
     except UserError as e:
-        return json_ok({"error": str(e), "category": "user"}, status=400)
+        return json_response({"error": str(e), "category": "user"}, status=400)
     if request.match_info["kind"] not in ("weights", "sampler_weights") or not path.is_dir():
-        return json_ok({"error": "no such checkpoint", "category": "user"}, status=404)
+        return json_response({"error": "no such checkpoint", "category": "user"}, status=404)
 
     def pack() -> bytes:
         buf = io.BytesIO()

@@ -1,12 +1,13 @@
 """Tinker training clients: each its own LoRA model on the serving model's frozen base arrays,
 with its own accumulated gradients and AdamW state, all owned by ONE worker thread.
 
-The loss is rlproxy.losses' (the five policy losses, summed over tokens as Tinker's are), on the
-same temperature-1 log-probs the engine records. Gradients accumulate over forward_backward calls
-until optim_step applies them. Weights are saved in mlx-lm's adapter format (plus
-`optimizer.safetensors` and trainer_state.json, so rlproxy.checkpoints.load_checkpoint reads
-them), which `rlproxy serve --adapter`, `rlproxy fuse` and `mlx_lm.load` open. HTTP, request
-ordering and sampling live elsewhere (routes.py, sampling.py).
+The loss is training/losses.py's (the five policy losses, summed over tokens as Tinker's are),
+on the same temperature-1 log-probs the engine records (serving/logprobs.py). Gradients
+accumulate over forward_backward calls until optim_step applies them. Weights are saved in
+mlx-lm's adapter format (plus `optimizer.safetensors` and trainer_state.json, so
+training/checkpoints.py's load_checkpoint reads them), which `rlproxy serve --adapter`,
+`rlproxy fuse` and `mlx_lm.load` open. HTTP, request ordering and sampling live elsewhere
+(routes.py, sampling.py).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from rlproxy.training import losses
-from rlproxy.training.checkpoints import STATE, load_checkpoint
+from rlproxy.paths import ADAPTER_CONFIG, TRAINER_STATE
+from rlproxy.serving.logprobs import sequence_logprobs, token_logprobs
 from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.serving.model import lora_weights, quantize_base, save_adapter
+from rlproxy.training import losses
+from rlproxy.training.checkpoints import load_checkpoint
 from rlproxy.tinker.wire import UserError
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
@@ -86,8 +89,8 @@ def lora_config_for(loaded, rank: int) -> dict:
 
 def lora_model(loaded, lora_config: dict, seed: int | None = None) -> nn.Module:
     """A model object over the serving model's base arrays with fresh LoRA layers of its own
-    (lora_b = 0, so it starts equal to the base). Like trainer.training_copy, but at any rank
-    and without the serving adapter's values."""
+    (lora_b = 0, so it starts equal to the base). Like training/learner.py's training_copy, but
+    at any rank and without the serving adapter's values."""
     import mlx_lm
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
@@ -166,7 +169,7 @@ def _examples(data: list[dict], loss_fn: str, vocab: int, context: int) -> list[
 
 
 def loss_kwargs(config: dict) -> dict:
-    """Tinker's clip thresholds are ratio bounds (e.g. 0.8, 1.2); rlproxy.losses takes eps."""
+    """Tinker's clip thresholds are ratio bounds (e.g. 0.8, 1.2); training/losses.py takes eps."""
     kw = {}
     if "clip_low_threshold" in config:
         kw["eps_low"] = 1.0 - float(config["clip_low_threshold"])
@@ -188,7 +191,7 @@ def forward_backward(tm: TinkerModel, req: dict, vocab: int, context: int):
     kw = loss_kwargs(req["loss_fn_config"])
 
     def datum_loss(model, ex):
-        logp = losses.token_logprobs(model, ex["ids"], ex["targets"])
+        logp = token_logprobs(model, ex["ids"], ex["targets"])
         return fn(logp, ex["old"], ex["adv"], ex["mask"], **kw), logp
 
     value_grad = nn.value_and_grad(tm.model, datum_loss)
@@ -239,7 +242,7 @@ def save(tm: TinkerModel, path: Path, with_optimizer: bool) -> Path:
         if with_optimizer:
             flat = {k: v for k, v in tree_flatten(tm.optimizer.state) if isinstance(v, mx.array)}
             mx.save_safetensors(str(tmp / "optimizer.safetensors"), flat)
-        (tmp / STATE).write_text(json.dumps({"step": tm.steps, "adapter_version": tm.steps,
+        (tmp / TRAINER_STATE).write_text(json.dumps({"step": tm.steps, "adapter_version": tm.steps,
                                              "model_id": tm.model_id}))
         if path.exists():
             shutil.rmtree(path)
@@ -270,7 +273,7 @@ def load(tm: TinkerModel, path: Path, with_optimizer: bool) -> None:
 
 
 def config_of(path: Path) -> dict:
-    return json.loads((path / "adapter_config.json").read_text())
+    return json.loads((path / ADAPTER_CONFIG).read_text())
 
 
 def sampler_model(loaded, path: Path) -> nn.Module:
@@ -286,7 +289,4 @@ def prompt_logprobs(model: nn.Module, ids: list[int]) -> list[float | None]:
     """log p(ids[t] | ids[:t]) at temperature 1 for t >= 1; the first token has none."""
     if len(ids) < 2:
         return [None] * len(ids)
-    x = mx.array(ids, dtype=mx.int32)[None]
-    lp = losses.token_logprobs(model, x[:, :-1], x[:, 1:])
-    mx.eval(lp)
-    return [None] + lp[0].tolist()
+    return [None] + sequence_logprobs(model, ids).tolist()

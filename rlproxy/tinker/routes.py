@@ -17,13 +17,15 @@ from pathlib import Path
 
 from aiohttp import web
 
-from rlproxy.api.turns import served_names
+from rlproxy import paths
+from rlproxy.api.edge import json_response
+from rlproxy.ops.health import served_names
 from rlproxy.appkeys import ENGINE, MODEL, SETTINGS
 from rlproxy.tinker import models, wire
 from rlproxy.tinker.archive import download_checkpoint, list_checkpoints
 from rlproxy.tinker.sampling import Samplers, asample
 from rlproxy.tinker.state import (
-    TINKER, TinkerState, checkpoint_dir, json_ok, parse_path, read_json, state,
+    TINKER, TinkerState, checkpoint_dir, parse_path, read_json, state,
 )
 from rlproxy.tinker.wire import UserError
 
@@ -62,8 +64,8 @@ def sequenced(st: TinkerState, model_id: str, seq_id, fn, *args, then=None) -> w
     """Run fn(tm, *args) on model MODEL_ID's turn in seq_id order."""
     tm = st.models.get(model_id)
     if tm is None:
-        return json_ok({"request_id": fail(st, f"unknown model id {model_id!r} (create it with "
-                                           "create_lora_training_client first)")})
+        return json_response({"request_id": fail(st, f"unknown model id {model_id!r} (create it "
+                                                 "with create_lora_training_client first)")})
     rid, go = start(st, fn, tm, *args, then=then)
     if not isinstance(seq_id, int) or seq_id < tm.next_seq:
         go()  # unsequenced or a retry of one already started
@@ -72,7 +74,7 @@ def sequenced(st: TinkerState, model_id: str, seq_id, fn, *args, then=None) -> w
         release(tm)
         if tm.held:
             asyncio.get_running_loop().call_later(GAP_S, release, tm, True)
-    return json_ok({"request_id": rid, "model_id": model_id})
+    return json_response({"request_id": rid, "model_id": model_id})
 
 
 def release(tm: models.TinkerModel, skip_gap: bool = False) -> None:
@@ -86,24 +88,24 @@ def release(tm: models.TinkerModel, skip_gap: bool = False) -> None:
 # ---- session and service ----
 
 async def empty(request):
-    return json_ok({})
+    return json_response({})
 
 
 async def create_session(request):
-    return json_ok({"type": "create_session", "session_id": uuid.uuid4().hex[:12]})
+    return json_response({"type": "create_session", "session_id": uuid.uuid4().hex[:12]})
 
 
 async def telemetry(request):
-    return json_ok({"status": "accepted"})
+    return json_response({"status": "accepted"})
 
 
 async def healthz(request):
-    return json_ok({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 async def capabilities(request):
     loaded = state(request).loaded
-    return json_ok({"supported_models": [
+    return json_response({"supported_models": [
         {"model_name": name, "max_context_length": loaded.context_length, "trainable": True,
          "sampleable": True} for name in served_names(request.app)]})
 
@@ -114,12 +116,12 @@ async def create_model(request):
     st, body = state(request), await read_json(request)
     base = body.get("base_model")
     if base not in served_names(request.app):
-        return json_ok({"request_id": fail(st, f"unknown base_model {base!r}; this server "
-                                           f"trains {', '.join(served_names(request.app))}")})
+        return json_response({"request_id": fail(st, f"unknown base_model {base!r}; this server "
+                                                 f"trains {', '.join(served_names(request.app))}")})
     model_id = f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"
     rid = create(st, model_id, int((body.get("lora_config") or {}).get("rank", 8)),
                  (body.get("lora_config") or {}).get("seed"))
-    return json_ok({"request_id": rid, "model_id": model_id})
+    return json_response({"request_id": rid, "model_id": model_id})
 
 
 def create(st: TinkerState, model_id: str, rank: int, seed, load_from=None) -> str:
@@ -150,13 +152,14 @@ async def get_info(request):
     st, body = state(request), await read_json(request)
     tm = st.models.get(body.get("model_id"))
     if tm is None:
-        return json_ok({"error": f"unknown model id {body.get('model_id')!r}",
-                        "category": "user"}, status=404)
+        return json_response({"error": f"unknown model id {body.get('model_id')!r}",
+                              "category": "user"}, status=404)
     name = served_names(request.app)[0]
-    return json_ok({"type": "get_info", "model_id": tm.model_id, "is_lora": True,
-                    "lora_rank": tm.lora_config["lora_parameters"]["rank"], "model_name": name,
-                    "model_data": {"model_name": name, "tokenizer_id": st.loaded.source,
-                                   "arch": type(st.loaded.model).__module__}})
+    return json_response({"type": "get_info", "model_id": tm.model_id, "is_lora": True,
+                          "lora_rank": tm.lora_config["lora_parameters"]["rank"],
+                          "model_name": name,
+                          "model_data": {"model_name": name, "tokenizer_id": st.loaded.source,
+                                         "arch": type(st.loaded.model).__module__}})
 
 
 async def forward_backward(request):
@@ -171,7 +174,7 @@ async def forward_backward(request):
                             "the tinker SDK does")
         req = wire.decode_forward_backward(raw)
     except UserError as e:
-        return json_ok({"request_id": fail(st, str(e))})
+        return json_response({"request_id": fail(st, str(e))})
     loaded = st.loaded
 
     def run(tm, req):
@@ -192,7 +195,7 @@ async def save_weights(request):
     try:
         path = checkpoint_dir(st, tm.run if tm else "-", "weights", body.get("path"))
     except UserError as e:
-        return json_ok({"request_id": fail(st, str(e))})
+        return json_response({"request_id": fail(st, str(e))})
     uri = f"tinker://{path.parent.parent.name}/weights/{path.name}"
     return sequenced(st, body.get("model_id"), body.get("seq_id"), models.save, path, True,
                      then=lambda _: {"path": uri, "type": "save_weights"})
@@ -208,7 +211,7 @@ async def save_for_sampler(request):
     try:
         path = checkpoint_dir(st, tm.run if tm else "-", "sampler_weights", name)
     except UserError as e:
-        return json_ok({"request_id": fail(st, str(e))})
+        return json_response({"request_id": fail(st, str(e))})
     uri = f"tinker://{path.parent.parent.name}/sampler_weights/{path.name}"
 
     def answer(_):
@@ -227,16 +230,16 @@ async def load_weights(request):
         path = parse_path(st, body.get("path"))
         rank = models.config_of(path)["lora_parameters"]["rank"]
     except (UserError, OSError, KeyError, ValueError):
-        return json_ok({"request_id": fail(st, f"no saved weights at {body.get('path')!r}")})
+        return json_response({"request_id": fail(st, f"no saved weights at {body.get('path')!r}")})
     with_opt = bool(body.get("optimizer"))
     answer = {"path": body.get("path"), "type": "load_weights"}
     if body.get("model_id"):
         return sequenced(st, body["model_id"], body.get("seq_id"), models.load, path, with_opt,
                          then=lambda _: answer)
     model_id = f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"  # create-via-load
-    return json_ok({"request_id": create(st, model_id, rank, None, (path, with_opt,
-                                                                    body.get("path"))),
-                    "model_id": model_id})
+    return json_response({"request_id": create(st, model_id, rank, None, (path, with_opt,
+                                                                          body.get("path"))),
+                          "model_id": model_id})
 
 
 # ---- sampling ----
@@ -248,23 +251,23 @@ async def create_sampling_session(request):
         try:
             path = parse_path(st, body["model_path"])
         except UserError as e:
-            return json_ok({"error": str(e), "category": "user"}, status=400)
+            return json_response({"error": str(e), "category": "user"}, status=400)
         st.samplers.open(sid, path, body["model_path"])
     elif body.get("base_model") in served_names(request.app):
         st.samplers.open(sid, None, None)  # the proxy's live adapter
     else:
-        return json_ok({"error": f"unknown base_model {body.get('base_model')!r}",
-                        "category": "user"}, status=400)
-    return json_ok({"type": "create_sampling_session", "sampling_session_id": sid})
+        return json_response({"error": f"unknown base_model {body.get('base_model')!r}",
+                              "category": "user"}, status=400)
+    return json_response({"type": "create_sampling_session", "sampling_session_id": sid})
 
 
 async def get_sampler(request):
     st, sid = state(request), request.match_info["sampler_id"]
     found = st.samplers.sessions.get(sid)
     if found is None:
-        return json_ok({"error": f"unknown sampler {sid!r}", "category": "user"}, status=404)
-    return json_ok({"sampler_id": sid, "base_model": served_names(request.app)[0],
-                    "model_path": found["model_path"]})
+        return json_response({"error": f"unknown sampler {sid!r}", "category": "user"}, status=404)
+    return json_response({"sampler_id": sid, "base_model": served_names(request.app)[0],
+                          "model_path": found["model_path"]})
 
 
 async def sample(request):
@@ -282,7 +285,7 @@ async def sample(request):
     st.tasks.add(task)
     task.add_done_callback(st.tasks.discard)
     ids = [f"{rid}:{i}" for i in range(n if isinstance(n, int) and n > 0 else 1)]
-    return json_ok({"request_id": rid, "sample_sequence_ids": ids})
+    return json_response({"request_id": rid, "sample_sequence_ids": ids})
 
 
 # ---- results ----
@@ -293,13 +296,13 @@ async def retrieve_future(request):
     try:
         result = await st.futures.wait(rid)
     except KeyError:
-        return json_ok({"error": f"request {rid!r} is unknown or expired", "category": "user"},
-                       status=410)
+        return json_response({"error": f"request {rid!r} is unknown or expired",
+                              "category": "user"}, status=410)
     if result is None:
-        return json_ok({"type": "try_again", "request_id": rid, "queue_state": "active"})
+        return json_response({"type": "try_again", "request_id": rid, "queue_state": "active"})
     if isinstance(result, bytes):
         return web.Response(body=result, content_type=PROTOBUF)
-    return json_ok(result)
+    return json_response(result)
 
 
 async def finish_session(request):
@@ -307,7 +310,7 @@ async def finish_session(request):
     st, sid = state(request), request.match_info["session_id"]
     for model_id in [m for m in st.models if m.startswith(f"{sid}:")]:
         del st.models[model_id]
-    return json_ok({})
+    return json_response({})
 
 
 # ---- wiring ----
@@ -317,7 +320,7 @@ async def tinker_context(app: web.Application):
     loaded, engine = app[MODEL], app[ENGINE]
     worker = models.Worker()
     samplers = Samplers(loaded, engine, worker)
-    app[TINKER] = TinkerState(loaded, Path(settings.records.data_dir) / "tinker",
+    app[TINKER] = TinkerState(loaded, Path(settings.records.data_dir) / paths.TINKER,
                               settings.server.tinker_max_models, worker, samplers)
     yield
     samplers.close()
@@ -325,8 +328,8 @@ async def tinker_context(app: web.Application):
 
 
 async def missing_sdk(request):
-    return json_ok({"error": "the Tinker API needs the tinker SDK's protobuf schema: pip "
-                    "install 'rlproxy[tinker]'", "category": "server"}, status=501)
+    return json_response({"error": "the Tinker API needs the tinker SDK's protobuf schema: pip "
+                          "install 'rlproxy[tinker]'", "category": "server"}, status=501)
 
 
 def add_tinker_routes(app: web.Application) -> None:

@@ -12,9 +12,9 @@ worker thread from the same model object the session samples with.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from pathlib import Path
 
+from rlproxy.lru import LRU
 from rlproxy.serving.engine import Engine, Job, SamplingParams, asyncio_delivery
 from rlproxy.tinker import models
 from rlproxy.tinker.wire import UserError
@@ -26,7 +26,7 @@ class Samplers:
     def __init__(self, loaded, engine: Engine, worker: models.Worker):
         self.loaded, self.engine, self.worker = loaded, engine, worker
         self.sessions: dict[str, dict] = {}  # id -> {"path": Path | None, "model_path": str}
-        self.adapters: OrderedDict[str, object] = OrderedDict()  # adapter name -> its model
+        self.adapters: LRU[str, object] = LRU(MAX_ADAPTERS)  # adapter name -> its model
 
     def open(self, session_id: str, path: Path | None, model_path: str | None) -> None:
         self.sessions[session_id] = {"path": path, "model_path": model_path}
@@ -40,21 +40,22 @@ class Samplers:
             return None, self.loaded.model
         name = str(path)
         if name in self.adapters:
-            self.adapters.move_to_end(name)
-            return name, self.adapters[name]
+            return name, self.adapters.get(name)
         if not (path / "adapters.safetensors").exists():
             raise UserError(f"no sampler weights at {self.sessions[session_id]['model_path']}")
         model = await asyncio.wrap_future(self.worker.run(models.sampler_model, self.loaded, path))
         self.engine.add_adapter(name, model)
-        self.adapters[name] = model
-        while len(self.adapters) > MAX_ADAPTERS:  # the least recently used goes
-            self.engine.drop_adapter(self.adapters.popitem(last=False)[0])
+        if name not in self.adapters and len(self.adapters) >= MAX_ADAPTERS:
+            oldest = self.adapters.oldest()  # the least recently used goes, from the engine too
+            self.adapters.pop(oldest)
+            self.engine.drop_adapter(oldest)
+        self.adapters.put(name, model)
         return name, model
 
     def close(self) -> None:
-        for name in self.adapters:
+        for name in list(self.adapters):
             self.engine.drop_adapter(name)
-        self.adapters.clear()
+            self.adapters.pop(name)
 
 
 def check_prompt(ids: list[int], max_tokens: int, vocab: int, context: int) -> None:

@@ -1,6 +1,6 @@
 """What the Tinker API keeps between requests (the worker, models, samplers, futures), the
-app key it lives under, and the small helpers every handler shares: JSON in and out, and where a
-named checkpoint lives on disk. No handlers here.
+app key it lives under, and the small helpers every handler shares: JSON in (JSON out is
+api/edge.py's `json_response`), and where a named checkpoint lives on disk. No handlers here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # fullmatch: "x\n" is not a name
 @dataclass
 class TinkerState:
     loaded: object
-    root: Path  # <data_dir>/tinker
+    root: Path  # <data_dir>/tinker (paths.TINKER)
     max_models: int
     worker: Worker
     samplers: Samplers
@@ -35,8 +35,6 @@ class TinkerState:
 TINKER = web.AppKey("tinker", TinkerState)
 
 
-def json_ok(body, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
 async def read_json(request: web.Request) -> dict:

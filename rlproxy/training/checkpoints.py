@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-STATE = "trainer_state.json"
+from rlproxy.paths import ADAPTER_CONFIG, TRAINER_STATE, complete_checkpoints
 
 
 def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.array],
@@ -31,10 +31,10 @@ def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.a
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
         mx.save_safetensors(str(tmp / "adapters.safetensors"), adapter)
-        (tmp / "adapter_config.json").write_text(json.dumps(lora_config, indent=2))
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(lora_config, indent=2))
         flat = {k: v for k, v in tree_flatten(optimizer_state) if isinstance(v, mx.array)}
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), flat)
-        (tmp / STATE).write_text(json.dumps(
+        (tmp / TRAINER_STATE).write_text(json.dumps(
             {"step": step, "adapter_version": version, "settings": settings, **(extra or {})},
             indent=2,
             default=str))
@@ -47,14 +47,6 @@ def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.a
         if protect is None or old.name != Path(protect).name:
             shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Oldest first; only directories whose last-written file exists."""
-    root = Path(root)
-    if not root.exists():
-        return []
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and (p / STATE).exists())
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -84,7 +76,7 @@ def load_checkpoint(path: Path) -> tuple[dict[str, mx.array], dict, dict]:
     path = Path(path)
     adapter = mx.load(str(path / "adapters.safetensors"))
     optimizer = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
-    return adapter, optimizer, json.loads((path / STATE).read_text())
+    return adapter, optimizer, json.loads((path / TRAINER_STATE).read_text())
 
 
 def fuse(model_source: str, adapter_dir: Path, out_dir: Path) -> Path:

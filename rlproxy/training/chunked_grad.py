@@ -19,7 +19,8 @@ Peak memory is O(chunk x C) for attention plus O(C) for K/V, not O(C^2). The lm_
 on trained positions (chunks are cut where the mask changes). Each unit ends in mx.eval, and
 `between(unit_seconds)` is called after it, so the trainer can yield to serving.
 
-Not here: the policy losses' math (training/losses.py), batches, optimizer steps, records (training/trainer.py).
+Not here: the policy losses' math (training/losses.py), building and packing examples
+(training/examples.py), batches, optimizer steps (training/learner.py), records (training/loop.py).
 Models that bring their own cache (`make_cache`: sliding windows, SSM layers) are not supported.
 """
 
@@ -34,8 +35,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import create_attention_mask
 
+from rlproxy.serving.logprobs import logprobs_of
 from rlproxy.training import losses
-from rlproxy.training.losses import logprobs_of
 
 PROMPT_GRAD = ("full", "none")
 
@@ -114,10 +115,11 @@ def _forward(model, inputs, targets, bounds, between):
     return keys, values, out
 
 
-def sequence_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array, mask: list[float],
-                      chunk: int, between: Callable[[float], None] = lambda s: None) -> mx.array:
+def chunked_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array, mask: list[float],
+                     chunk: int, between: Callable[[float], None] = lambda s: None) -> mx.array:
     """log p(targets | inputs) at trained positions (0 elsewhere), without gradient, in chunks:
-    the same values as losses.token_logprobs, at O(chunk x C) memory. (1, L) -> (1, L)."""
+    the values of serving/logprobs.py's token_logprobs, at O(chunk x C) memory.
+    (1, L) -> (1, L)."""
     _, _, out = _forward(model, inputs, targets, chunk_bounds(mask, chunk), between)
     return mx.concatenate(out, axis=1)
 
@@ -191,7 +193,7 @@ def example_grad(model: nn.Module, ex: dict, loss_fn: Callable, normaliser: int,
                  prompt_grad: str, between: Callable[[float], None], ref_model=None,
                  kl_coef: float = 0.0, entropy_coef: float = 0.0, **loss_kw):
     """((loss / normaliser, summed KL, summed entropy) as floats, LoRA gradient) of one example:
-    a turn or a packed session, as lists `ids`, `old`, `adv`, `mask` (see `turn_example`). The
+    a turn or a packed session, as lists `ids`, `old`, `adv`, `mask` (training/examples.py). The
     loss includes the KL penalty and the entropy bonus (training/losses.py); the entropy is always
     reported, and carries a gradient only when ENTROPY_COEF > 0."""
     ids = ex["ids"]
@@ -199,7 +201,7 @@ def example_grad(model: nn.Module, ex: dict, loss_fn: Callable, normaliser: int,
     old, adv, mask = (mx.array(ex[k])[None] for k in ("old", "adv", "mask"))
     ref = None
     if ref_model is not None and kl_coef > 0:
-        ref = sequence_logprobs(ref_model, inputs, targets, ex["mask"], chunk, between)
+        ref = chunked_logprobs(ref_model, inputs, targets, ex["mask"], chunk, between)
 
     def chunk_loss(logp, a, b, logits):
         m = mask[:, a:b]
@@ -217,45 +219,6 @@ def example_grad(model: nn.Module, ex: dict, loss_fn: Callable, normaliser: int,
 
     return sequence_grad(model, inputs, targets, ex["mask"], chunk_loss, chunk=chunk,
                          prompt_grad=prompt_grad, between=between)
-
-
-def turn_example(turn: dict, advantages: list[float], reward, choice: int | None = None,
-                 key: str | None = None) -> dict | None:
-    """One choice of a turn (default: the one the conversation continued from) as a training
-    example over ids = prompt + completion: position t predicts ids[t + 1], so the completion's
-    targets start at len(prompt) - 1. Its `uids` hold KEY (default: the turn's uid). None
-    without completion."""
-    picked = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
-    prompt, completion = turn["prompt_ids"], picked["completion_ids"]
-    if not completion:
-        return None
-    pad = [0.0] * (len(prompt) - 1)
-    return {"ids": prompt + completion, "old": pad + list(picked["logprobs"]),
-            "adv": pad + list(advantages), "mask": pad + [1.0] * len(completion),
-            "uids": [key or turn["uid"]], "rewards": [reward], "tokens": len(completion)}
-
-
-def pack(examples: list[dict]) -> list[dict]:
-    """Session packing: an example whose ids are a token prefix of a longer one's (turn k's
-    prompt + completion opening turn k + 1's prompt) is trained inside it, with its own
-    positions' mask, old log-probs and advantages. Exact: causal attention makes the
-    log-probs at those positions the same, and the losses are sums over positions."""
-    out: list[dict] = []
-    for ex in sorted(examples, key=lambda e: len(e["ids"]), reverse=True):
-        n, lo = len(ex["ids"]), ex["mask"].index(1.0)
-        host = next((h for h in out if h["ids"][:n] == ex["ids"]
-                     and not any(h["mask"][lo:n - 1])), None)
-        if host is None:
-            out.append({**ex, "old": list(ex["old"]), "adv": list(ex["adv"]),
-                        "mask": list(ex["mask"]), "uids": list(ex["uids"]),
-                        "rewards": list(ex["rewards"])})
-            continue
-        for key in ("old", "adv", "mask"):
-            host[key][lo:n - 1] = ex[key][lo:]
-        host["uids"] += ex["uids"]
-        host["rewards"] += ex["rewards"]
-        host["tokens"] += ex["tokens"]
-    return out
 
 
 # ---- memory ----

@@ -2,7 +2,8 @@
 
 With `eval_every` N > 0 the trainer publishes nothing between evaluations. Every N optimizer
 steps, between batches, on the trainer thread, in units that yield to serving like a training
-step's (each ends in mx.eval, then `trainer._between_units`), the candidate is measured:
+step's (each ends in mx.eval, then the trainer's pacer: training/pacing.py), the candidate is
+measured through the learner's model (training/learner.py):
 
   probes     eval_probes prompts: the lines of --eval-prompts FILE.jsonl ({messages, tools?})
              first, then the most recent distinct prompts of the recorded main turns the trainer
@@ -23,45 +24,52 @@ step's (each ends in mx.eval, then `trainer._between_units`), the candidate is m
              at the positions of the candidate's own probe samples x (every sampled token,
              the end token included), for o = the served adapter and o = the base model (the
              same LoRA layers with lora_b = 0, exactly the base).
-  degeneracy the samples' figures of collapse (training/degeneracy.py: repeated 3-grams, empty replies,
-             the share of whitespace characters, the share of distinct tokens), each compared
-             with its limit and with the served adapter's figure on the same probes. On the
+  degeneracy the samples' figures of collapse (training/degeneracy.py: repeated 3-grams, empty
+             replies, the share of whitespace characters, the share of distinct tokens), each
+             compared with its limit and with the served adapter's figure on the same probes. On the
              samples, not on greedy replies: they cost no extra decode, and a collapse of the
              kind seen on the real model (entropy 1.10 -> 0.04) shows in them too; greedy
              replies would show one a little earlier.
 
 Verdict (`refusal`): publish if reward >= served reward - eval_tolerance, both KLs < max_kl
-(when set) and not degenerate. Otherwise the trainer rolls back to the last good state (the
-state when the served adapter was published: adapter, optimizer, reward baseline and the
-update count the LR schedule runs on), multiplies the learning rate by rollback_lr_factor and
+(when set) and not degenerate. `check` returns it as a `Verdict`, with the `eval` line, and the
+trainer (training/loop.py) applies it: it publishes the candidate, or rolls back to the last good
+state (the state when the served adapter was published: adapter, optimizer, reward baseline and
+the update count the LR schedule runs on), multiplies the learning rate by rollback_lr_factor and
 writes a `rollback` line with the figures and the reason; max_rollbacks in a row pause
 training, with the reason as the trainer's error (on /healthz). Every evaluation writes an
 `eval` line to training.jsonl.
 
-Not here: training, publishing, saving (training/trainer.py); the degeneracy figures (training/degeneracy.py);
-the reward functions are the user's (scorer.load_reward_functions). Probes are decoded one at a
-time, not batched.
+Not here: training, publishing, saving, the trainer's state (training/loop.py); the model and its
+weights (training/learner.py); the degeneracy figures (training/degeneracy.py); the reward
+functions are the user's (scoring/rewards.py loads and calls them). Probes are decoded one at a
+time, not batched (mlx-lm's generate_step is not used: it samples from (1, V) log-probs, which
+draws other tokens than (V,) ones for the same seed, and computes token n + 1 before it yields
+token n, so its yields would not be pauses).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_unflatten
-from mlx_lm.models.cache import make_prompt_cache
 
-from rlproxy.training import degeneracy
+from rlproxy.scoring.rewards import (
+    Overran, call, call_with_timeout, load_reward_functions, takes_choice,
+)
 from rlproxy.serving.chat_template import render_prompt
+from rlproxy.serving.logprobs import log_softmax, prefill
+from rlproxy.serving.model import resolve_model_path
+from rlproxy.serving.sampler import make_sampler
+from rlproxy.settings import Settings
+from rlproxy.training import degeneracy
 from rlproxy.training.chunked_grad import chunk_bounds
-from rlproxy.serving.engine import make_sampler
-from rlproxy.serving.model import lora_weights, resolve_model_path
-from rlproxy.scoring.rewards import call, load_reward_functions, takes_choice
+from rlproxy.training.pacing import Pacer
 
 log = logging.getLogger("rlproxy.trainer")
 MAX_PROBE_TOKENS = 8192
@@ -108,51 +116,20 @@ def load_eval_prompts(path: Path | None, tokenizer) -> list[dict]:
     return out
 
 
-def call_with_timeout(fn, args: tuple, timeout_s: float):
-    """FN(*ARGS), or None when it raises or runs past TIMEOUT_S (it is left running on its own
-    daemon thread: a hung user function must not hold the trainer)."""
-    box: list = []
-
-    def run():
-        try:
-            box.append(fn(*args))
-        except Exception:
-            log.exception("eval reward function %s failed", getattr(fn, "__name__", fn))
-
-    thread = threading.Thread(target=run, name="rlproxy-eval-reward", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        log.warning("eval reward function %s ran past %.0f s", getattr(fn, "__name__", fn),
-                    timeout_s)
-    return box[0] if box else None
-
-
 # ---- model work, in units ----
 
-def _prefill(model, ids: list[int], chunk: int, unit):
-    """A KV cache holding IDS, filled in units of at most CHUNK positions (fewer deep into a
-    long prompt, as a training step's: chunked_grad.chunk_bounds)."""
-    cache = make_prompt_cache(model)
-    for a, b, _ in chunk_bounds([0.0] * len(ids), chunk):
-        tic = time.perf_counter()
-        model(mx.array(ids[a:b])[None], cache=cache)
-        unit(tic, [c.state for c in cache])
-    return cache
-
-
-def sample(model, prompt: list[int], max_tokens: int, seed: int, eos, chunk: int, unit):
+def sample(model, prompt: list[int], max_tokens: int, seed: int, eos, chunk: int, pace):
     """(tokens sampled at temperature 1, the end token included if reached; their (L, V)
-    log-prob rows)."""
-    cache = _prefill(model, prompt[:-1], chunk, unit)
+    log-prob rows). PACE(seconds) after each unit: a prefill chunk, a token."""
+    cache = prefill(model, prompt, _cuts(len(prompt) - 1, chunk), pace)
     sampler = make_sampler(1.0, 1.0, seed)
     y, tokens, rows = prompt[-1], [], []
     for _ in range(max_tokens):
         tic = time.perf_counter()
-        logits = model(mx.array([[y]]), cache=cache)[0, -1].astype(mx.float32)
-        logp = logits - mx.logsumexp(logits)
+        logp = log_softmax(model(mx.array([[y]]), cache=cache)[0, -1])
         tok = sampler(logp)
-        unit(tic, tok, logp)
+        mx.eval(tok, logp)
+        pace(time.perf_counter() - tic)
         y = int(tok.item())
         tokens.append(y)
         rows.append(logp)
@@ -161,15 +138,20 @@ def sample(model, prompt: list[int], max_tokens: int, seed: int, eos, chunk: int
     return tokens, mx.stack(rows)
 
 
-def token_rows(model, prompt: list[int], tokens: list[int], chunk: int, unit) -> mx.array:
+def token_rows(model, prompt: list[int], tokens: list[int], chunk: int, pace) -> mx.array:
     """(L, V) log-probs of the next token at each position of TOKENS after PROMPT."""
-    cache = _prefill(model, prompt[:-1], chunk, unit)
+    cache = prefill(model, prompt, _cuts(len(prompt) - 1, chunk), pace)
     tic = time.perf_counter()
-    logits = model(mx.array([prompt[-1]] + tokens[:-1])[None], cache=cache)[0]
-    logits = logits.astype(mx.float32)
-    out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    unit(tic, out)
+    out = log_softmax(model(mx.array([prompt[-1]] + tokens[:-1])[None], cache=cache)[0])
+    mx.eval(out)
+    pace(time.perf_counter() - tic)
     return out
+
+
+def _cuts(n: int, chunk: int) -> list[tuple[int, int]]:
+    """The prefill of N positions in units of at most CHUNK (fewer deep into a long prompt,
+    as a training step's: chunked_grad.chunk_bounds)."""
+    return [(a, b) for a, b, _ in chunk_bounds([0.0] * n, chunk)]
 
 
 def kl_sum(p_rows: mx.array, q_rows: mx.array) -> float:
@@ -179,21 +161,39 @@ def kl_sum(p_rows: mx.array, q_rows: mx.array) -> float:
 
 # ---- the gate ----
 
-class EvalGate:
-    """One per trainer; all its model work runs on the trainer thread."""
+@dataclass
+class Verdict:
+    """What an evaluation decided; the trainer applies it (training/loop.py)."""
 
-    def __init__(self, trainer, tokenizer, functions: list):
-        self.trainer, self.t, self.tokenizer = trainer, trainer.t, tokenizer
+    line: dict  # the `eval` line
+    good: dict | None = None  # refused: the state to restore (the served adapter's)
+    lr_factor: float = 1.0  # refused: the learning-rate scale is multiplied by it
+    in_a_row: int = 0  # refused: rollbacks since the last publish, this one included
+    pause: bool = False  # refused max_rollbacks times in a row: training pauses
+
+    @property
+    def passed(self) -> bool:
+        return self.line["passed"]
+
+
+class EvalGate:
+    """One per trainer; all its model work runs on the trainer thread, through the LEARNER's
+    model, with PACE(seconds) after each unit. VERSION and GOOD: the served adapter's version
+    and the trainer's state that goes with it (a snapshot: what a rollback restores)."""
+
+    def __init__(self, settings: Settings, learner, pace: Pacer, tokenizer, functions: list,
+                 version: int, good: dict):
+        self.t, self.learner, self.pace, self.tokenizer = settings.trainer, learner, pace, tokenizer
         self.functions = functions
-        self.timeout_s = trainer.settings.scoring.reward_timeout_s
+        self.timeout_s = settings.scoring.reward_timeout_s
         self.eos = set(tokenizer.eos_token_ids)
         self.extra = load_eval_prompts(self.t.eval_prompts, tokenizer)
         self.recent: deque = deque(maxlen=RECENT_PROMPTS)  # appended from any thread
         self.since = 0  # optimizer steps since the last evaluation or rollback
         self.in_a_row = 0  # rollbacks since the last publish
-        self.served_version = trainer.version
-        self.served_weights = lora_weights(trainer.model)
-        self.good = trainer.snapshot()  # what a rollback restores
+        self.served_version = version
+        self.served_weights = learner.save_weights_for_sampler()
+        self.good = good
         self._served: tuple[int, list[dict], dict] | None = None  # version, probes, figures
 
     def observe(self, turn: dict) -> None:
@@ -202,15 +202,14 @@ class EvalGate:
             self.recent.append({"prompt_ids": turn["prompt_ids"], "messages": turn.get(
                 "messages"), "tools": turn.get("tools"), "source": turn["uid"]})
 
-    def published(self, version: int, weights: dict) -> None:
+    def published(self, version: int, weights: dict, good: dict) -> None:
+        """The engine serves WEIGHTS as VERSION now; GOOD is the trainer's state with them."""
         self.served_version, self.served_weights = version, weights
-        self.good, self.in_a_row = self.trainer.snapshot(), 0
-        self.stepped(reset=True)
+        self.good, self.in_a_row, self.since = good, 0, 0
 
-    def stepped(self, reset: bool = False) -> None:
-        """One more optimizer step not evaluated yet (RESET: none left)."""
-        self.since = 0 if reset else self.since + 1
-        self.trainer.stats["unevaluated_steps"] = self.since
+    def stepped(self) -> None:
+        """One more optimizer step not evaluated yet."""
+        self.since += 1
 
     @property
     def due(self) -> bool:
@@ -228,17 +227,10 @@ class EvalGate:
         return [{**distinct[i % len(distinct)], "seed": SEED + i}
                 for i in range(self.t.eval_probes)]
 
-    def _unit(self, tic: float, *arrays) -> None:
-        mx.eval(*arrays)
-        self.trainer._between_units(time.perf_counter() - tic)
-
-    def _use(self, weights: dict) -> None:
-        self.trainer.model.update(tree_unflatten(list(weights.items())))
-
     def _sample_all(self, probes: list[dict]) -> list[tuple[list[int], mx.array]]:
-        model, chunk = self.trainer.model, self.t.train_chunk_tokens
+        model, chunk = self.learner.model, self.t.train_chunk_tokens
         return [sample(model, p["prompt_ids"], self.t.eval_max_tokens, p["seed"], self.eos,
-                       chunk, self._unit) for p in probes]
+                       chunk, self.pace) for p in probes]
 
     def figures(self, probes: list[dict], samples: list[list[int]]) -> dict:
         replies = [[i for i in ids if i not in self.eos] for ids in samples]
@@ -256,7 +248,16 @@ class EvalGate:
                 "end": None, "chosen_choice": 0,
                 "choices": [{"completion_ids": ids, "text": text, "tool_calls": []}]}
         for fn in self.functions:
-            value = call_with_timeout(call, (fn, turn, None, 0, takes_choice(fn)), self.timeout_s)
+            name = getattr(fn, "__name__", fn)
+            try:
+                value = call_with_timeout(call, (fn, turn, None, 0, takes_choice(fn)),
+                                          self.timeout_s, "rlproxy-eval-reward")
+            except Overran:  # left running on its own thread: it must not hold the trainer
+                log.warning("eval reward function %s ran past %.0f s", name, self.timeout_s)
+                continue
+            except Exception:
+                log.exception("eval reward function %s failed", name)
+                continue
             if value is not None:
                 return max(-1.0, min(1.0, float(value)))
         return None
@@ -264,108 +265,63 @@ class EvalGate:
     def evaluate(self) -> dict:
         """The candidate's figures, the served adapter's, and the verdict (`refused`: the
         reason, or None). The model holds the candidate again afterwards."""
-        tr = self.trainer
         tic = time.perf_counter()
-        tr.units = {"units": 0, "max_unit_s": 0.0, "yielded_s": 0.0}
-        candidate = lora_weights(tr.model)
+        self.pace.restart()
+        candidate = self.learner.save_weights_for_sampler()
         base = {k: mx.zeros_like(v) if k.endswith("lora_b") else v for k, v in candidate.items()}
-        chunk = self.t.train_chunk_tokens
+        model, chunk, use = self.learner.model, self.t.train_chunk_tokens, self.learner.set_weights
         try:
             if self._served is None or self._served[0] != self.served_version:
                 probes = self.draw()
-                self._use(self.served_weights)
+                use(self.served_weights)
                 served = self.figures(probes, [ids for ids, _ in self._sample_all(probes)])
                 self._served = (self.served_version, probes, served)
             _, probes, served = self._served
             samples, kl = [], {"kl_served": 0.0, "kl_base": 0.0}
             for p in probes:  # one probe's rows at a time: (L, V) each, not all of them
-                self._use(candidate)
+                use(candidate)
                 (tokens, rows), = self._sample_all([p])
                 samples.append(tokens)
                 for name, weights in (("kl_served", self.served_weights), ("kl_base", base)):
-                    self._use(weights)
-                    kl[name] += kl_sum(rows, token_rows(tr.model, p["prompt_ids"], tokens,
-                                                        chunk, self._unit))
+                    use(weights)
+                    kl[name] += kl_sum(rows, token_rows(model, p["prompt_ids"], tokens, chunk,
+                                                        self.pace))
         finally:
-            self._use(candidate)
+            use(candidate)
         positions = max(1, sum(len(s) for s in samples))
         cand = {**self.figures(probes, samples),
                 **{k: round(v / positions, 6) for k, v in kl.items()}}
         return {"probes": len(probes), "positions": positions, "candidate": cand,
                 "served": served, "refused": refusal(cand, served, self.t) if probes else None,
-                "eval_s": round(time.perf_counter() - tic, 3), **tr.units}
+                "eval_s": round(time.perf_counter() - tic, 3), **self.pace.units}
 
-    # ---- the verdict's consequences ----
-
-    def check(self) -> dict:
-        """Evaluate the candidate; publish it, or roll back. Its `eval` line."""
-        tr = self.trainer
+    def check(self, step: int, version: int) -> Verdict:
+        """Evaluate candidate VERSION (trained up to STEP): publish it, or roll back."""
         try:
             result = self.evaluate()
         except Exception as e:  # never publish what could not be measured
-            log.exception("the eval gate failed at step %d", tr.step)
+            log.exception("the eval gate failed at step %d", step)
             result = {"error": f"{type(e).__name__}: {e}",
                       "refused": f"the evaluation failed: {type(e).__name__}: {e}"}
-        tr.stats["evals"] += 1
-        line = {"kind": "eval", "step": tr.step, "candidate_version": tr.version,
+        line = {"kind": "eval", "step": step, "candidate_version": version,
                 "served_version": self.served_version, "passed": result["refused"] is None,
                 **result, "kl_on": "the candidate's probe samples", "time": time.time()}
-        tr.writer.write(line)
-        if line["passed"]:
-            tr.publish()  # calls published(): this state is now the good one
-            self.good_path = tr.try_save()
-            log.info("eval gate: adapter v%d published (probe reward %s)", tr.version,
-                     line["candidate"]["reward"])
-        else:
-            self.roll_back(line)
-        return line
-
-    good_path: Path | None = None  # the checkpoint of the good state, when one was saved
-
-    def roll_back(self, evaluation: dict) -> dict:
-        """Restore the good state, lower the learning rate, write the `rollback` line; pause
-        training after max_rollbacks in a row. Nothing is published: the served adapter is
-        the good one already."""
-        tr, good, reason = self.trainer, self.good, evaluation["refused"]
-        rejected = tr.version
-        tr.load_state(good["adapter"], good["optimizer"], good["baseline"])
-        tr.lr_scale *= self.t.rollback_lr_factor
-        tr.step += 1  # a step number of its own, as an operator's rollback
+        if line["passed"]:  # published: `published` makes this state the good one
+            return Verdict(line)
         self.in_a_row += 1
-        self.stepped(reset=True)
-        tr.stats["gate_rollbacks"] += 1
-        tr.stats["steps"] = tr.step
-        line = {"kind": "rollback", "gate": True, "step": tr.step,
-                "adapter_version": self.served_version, "rejected_version": rejected,
-                "checkpoint": str(self.good_path) if self.good_path else None,
-                "checkpoint_step": good["step"], "checkpoint_adapter_version": self.served_version,
-                "reason": reason, "candidate": evaluation.get("candidate"),
-                "served": evaluation.get("served"), "lr_scale": tr.lr_scale,
-                "next_learning_rate": tr.learning_rate(), "in_a_row": self.in_a_row,
-                "training": True, "time": time.time()}
-        tr.writer.write(line)
-        log.info("eval gate: candidate v%d refused (%s); rolled back to step %d's adapter "
-                    "v%d, learning rate x%g", rejected, reason, good["step"],
-                    self.served_version, tr.lr_scale)
-        # saved: a restart neither trains the refused steps' turns again nor forgets the rate
-        tr.try_save(protect=self.good_path)
-        if self.in_a_row >= self.t.max_rollbacks:
-            tr.paused = True
-            tr.error = (f"training paused: {self.in_a_row} rollbacks in a row by the eval gate; "
-                        f"the last: {reason}. Resume training (POST /v1/training/resume) to "
-                        f"go on at {tr.lr_scale:g} x the learning rate")
-            tr.writer.write({"kind": "pause", "step": tr.step, "reason": tr.error,
-                             "time": time.time()})
-            log.error(tr.error)
-        return line
+        self.since = 0
+        return Verdict(line, self.good, self.t.rollback_lr_factor, self.in_a_row,
+                       pause=self.in_a_row >= self.t.max_rollbacks)
 
 
-def make_gate(trainer, tokenizer=None) -> EvalGate:
-    """The eval gate for TRAINER, with its reward functions and tokenizer (loaded from the
-    model's directory when the caller has none at hand: config and tokenizer only)."""
+def make_gate(settings: Settings, learner, pace: Pacer, version: int, good: dict,
+              tokenizer=None) -> EvalGate:
+    """The eval gate, with its reward functions and tokenizer (loaded from the model's
+    directory when the caller has none at hand: config and tokenizer only)."""
     if tokenizer is None:
         import mlx_lm
 
-        _, tokenizer = mlx_lm.load(resolve_model_path(trainer.settings.model)[0], lazy=True)
-    names = trainer.t.eval_reward_functions or trainer.settings.scoring.reward_functions
-    return EvalGate(trainer, tokenizer, load_reward_functions(names))
+        _, tokenizer = mlx_lm.load(resolve_model_path(settings.model)[0], lazy=True)
+    names = settings.trainer.eval_reward_functions or settings.scoring.reward_functions
+    return EvalGate(settings, learner, pace, tokenizer, load_reward_functions(names), version,
+                    good)

@@ -1,6 +1,6 @@
 """The scorer -> trainer item: its key (`item_key`, `item_choice`, defined in training/journal.py,
-which keys steps by them), the bounded key sets the trainer keeps, and rebuilding every
-released item from the records after a restart (`released_turns`).
+which keys steps by them), and rebuilding every released item from the records after a restart
+(`released_turns`).
 
 An item (TEAM.md) is {"turn": record, "choice": index into turn["choices"], "key": the turn's
 uid for its chosen choice, f"{uid}/{i}" for another choice, "reward", "advantages" (per
@@ -8,59 +8,21 @@ completion token of that choice), "baselined": True when a group baseline was al
 subtracted, "teacher_logprobs", "update"}. Items from before choices were keyed carry none of
 "choice", "key", "baselined": they mean the chosen choice, keyed by the uid.
 
-Not here: training them (training/trainer.py), the journal of steps (training/journal.py).
+Not here: training them, the keys the trainer has handled (training/loop.py), the journal of
+steps (training/journal.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableSet
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
-from rlproxy.records import CONVERSATIONS, read_jsonl
+from rlproxy.paths import CONVERSATIONS, SCORES
+from rlproxy.records import read_jsonl
 from rlproxy.scoring.judging import released_item
 from rlproxy.training.journal import item_choice, item_key, quarantined_uids
 
-__all__ = ["KeySet", "item_choice", "item_key", "released_turns"]
-
-
-class KeySet(MutableSet):
-    """A set of keys that keeps at most LIMIT, dropping the oldest added first (None: no limit
-    yet; `trim` sets one). Not locked: the trainer changes it under its own lock."""
-
-    def __init__(self, keys: Iterable[str] = (), limit: int | None = None):
-        self._keys: dict[str, None] = {}
-        self.limit = None
-        for k in keys:
-            self.add(k)
-        self.trim(limit)
-
-    def __contains__(self, key) -> bool:
-        return key in self._keys
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __repr__(self) -> str:
-        return f"KeySet({set(self._keys)!r}, limit={self.limit})"
-
-    def add(self, key: str) -> None:
-        self._keys.pop(key, None)  # re-added: the newest again
-        self._keys[key] = None
-        if self.limit is not None and len(self._keys) > self.limit:
-            del self._keys[next(iter(self._keys))]
-
-    def discard(self, key: str) -> None:
-        self._keys.pop(key, None)
-
-    def trim(self, limit: int | None) -> None:
-        """From now on keep at most LIMIT keys, the newest."""
-        self.limit = limit
-        while limit is not None and len(self._keys) > limit:
-            del self._keys[next(iter(self._keys))]
+__all__ = ["item_choice", "item_key", "released_turns"]
 
 
 def released_turns(data_dir: Path, w_opd: float, w_rl: float,
@@ -72,7 +34,7 @@ def released_turns(data_dir: Path, w_opd: float, w_rl: float,
     `rlproxy train`."""
     skip = set(skip) | quarantined_uids(data_dir, max_attempts)
     scores, releases = {}, {}
-    for line in read_jsonl(Path(data_dir) / "prm_scores.jsonl"):
+    for line in read_jsonl(Path(data_dir) / SCORES):
         if line.get("kind") == "score":
             scores[line["uid"]] = line
         elif line.get("kind") == "release":

@@ -15,9 +15,10 @@ later epoch) is logged and surfaced, never retrained. When SYSTEMIC_TURNS differ
 in a row with one error type the cause is not the turns: training pauses with an error instead
 of quarantining them all.
 
-This module keeps the books and runs a batch between them (`run_batch`), plus two checks on a
-turn record (`outside_vocab`: ids that would crash MLX rather than raise; `turn_length`); the
-trainer does the training. The file is `train_journal.jsonl` in the data dir, append-only.
+This module keeps the books, finds the steps a kill lost since a checkpoint (`lost_steps`), and
+has two checks on a turn record (`outside_vocab`: ids that would crash MLX rather than raise;
+`turn_length`); the trainer (training/loop.py) runs each batch between a start and an end and
+does the training. The file is `train_journal.jsonl` in the data dir, append-only.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from rlproxy.paths import JOURNAL, TRAINING
 from rlproxy.records import JsonlWriter, read_jsonl
 
 log = logging.getLogger("rlproxy.trainer")
-JOURNAL = "train_journal.jsonl"
 SYSTEMIC_TURNS = 3  # different turns failing in a row with one error type: the cause is not them
 DIED = "the process died during this step (killed, out of memory or crashed)"
 
@@ -159,50 +160,14 @@ class StepJournal:
         self.writer.close()
 
 
-def run_batch(trainer, batch: list[dict]) -> list[dict]:
-    """TRAINER's `train_batch` over BATCH between a journaled start and end; its step lines.
-    A step whose compute raises costs each of its turns one attempt; a several-turn step is
-    then retried turn by turn (innocent turns train, the poison one alone fails again), a
-    one-turn step again until its turn is quarantined. Never raises for a turn's sake, so the
-    trainer thread lives on."""
-    journal = trainer.journal
-    for s in batch:  # an id outside the vocabulary segfaults MLX instead of raising
-        bad = outside_vocab(s["turn"], trainer.vocab_size, item_choice(s))
-        if bad is not None:
-            journal.quarantine(item_key(s), f"token id {bad} is outside this model's "
-                               f"vocabulary of {trainer.vocab_size} (recorded under another "
-                               "model?); training on it would crash")
-    batch = [s for s in batch if item_key(s) not in journal.quarantined]
-    if not batch:
-        return []
-    uids = [item_key(s) for s in batch]
-    journal.start(uids, sum(turn_length(s["turn"], item_choice(s)) for s in batch))
-    lines: list[dict] = []
-    try:
-        trainer.train_batch(batch, lines)
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"[:2000]
-        if journal.open is None:  # raised after an update was applied: not the turns' fault
-            log.exception("training after the update over turns %s failed", ", ".join(uids))
-            trainer.mark_trained(uids)  # retraining would apply the update twice
-            trainer.stats["errors_after_update"] += 1
-            trainer.error = f"after step {trainer.step}: {error}"
-            return lines
-        log.exception("training step over turns %s failed", ", ".join(uids))
-        if len(batch) == 1 and journal.systemic(uids, type(e).__name__):
-            journal.end(*journal.open, error, charge=False)
-            trainer.paused = True  # the loop waits in _control until the operator resumes
-            trainer.error = (f"training paused: {SYSTEMIC_TURNS} different turns in a row "
-                             f"failed with {error}; fix the cause, then resume")
-            log.error(trainer.error)
-            trainer.inbox.put(batch[0])  # kept for after the resume
-            return []
-        journal.end(*journal.open, error)
-        if len(batch) > 1:
-            return [line for one in batch for line in run_batch(trainer, [one])]
-        return run_batch(trainer, batch)  # returns [] once the turn is quarantined
-    journal.applied()  # no step was taken (every turn skipped)
-    return lines
+def lost_steps(data_dir: Path, step: int) -> tuple[int, set[str]]:
+    """(the steps recorded in DATA_DIR's training.jsonl after checkpoint STEP, their turns): a
+    kill loses the updates since the last save. A rollback takes a step number too."""
+    steps = [ln for ln in read_jsonl(Path(data_dir) / TRAINING)
+             if ln.get("kind") in ("step", "rollback")]
+    at = [i for i, ln in enumerate(steps) if ln["step"] == step]  # its last run's line
+    cut = at[-1] + 1 if at else (0 if step == 0 else len(steps))
+    return len(steps) - cut, {u for ln in steps[cut:] for u in ln.get("uids", [])}
 
 
 def outside_vocab(turn: dict, vocab_size: int | None, choice: int | None = None) -> int | None:

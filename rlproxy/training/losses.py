@@ -22,13 +22,16 @@ change the gradient. With rho = exp(logp - old):
                        (p_t = softmax of the policy's logits at position t, temperature 1: the
                        full distribution, not only the sampled token; it pushes against the
                        collapse of the output onto a few tokens)
+
+Not here: the log-probs themselves (serving/logprobs.py), the gradient (training/chunked_grad.py).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-LOSSES = ("ppo", "importance_sampling", "cispo", "dro", "cross_entropy")
+from rlproxy.serving.logprobs import log_softmax
+from rlproxy.settings import LOSSES  # the names, where the CLI reads them without MLX
 
 
 def ratio(logp: mx.array, old: mx.array, mask: mx.array) -> mx.array:
@@ -67,8 +70,7 @@ def kl_penalty(logp, ref, mask) -> mx.array:
 
 def entropy(logits: mx.array, mask: mx.array) -> mx.array:
     """Summed entropy of the policy at masked positions. logits: (B, T, V), mask: (B, T)."""
-    logits = logits.astype(mx.float32)
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logp = log_softmax(logits)
     return (-(mx.exp(logp) * logp).sum(axis=-1) * mask).sum()
 
 
@@ -77,16 +79,3 @@ def policy_loss(name: str):
         raise ValueError(f"unknown loss {name!r}; choose one of {', '.join(LOSSES)}")
     return {"ppo": ppo, "importance_sampling": importance_sampling, "cispo": cispo,
             "dro": dro, "cross_entropy": cross_entropy}[name]
-
-
-def token_logprobs(model, ids: mx.array, targets: mx.array) -> mx.array:
-    """log p(targets[t] | ids[..t]) at temperature 1, the same quantity the engine records.
-    ids: (B, T) inputs, targets: (B, T) next tokens -> (B, T)."""
-    return logprobs_of(model(ids), targets)
-
-
-def logprobs_of(logits: mx.array, targets: mx.array) -> mx.array:
-    """The targets' log-softmax at temperature 1. logits: (B, T, V), targets: (B, T) -> (B, T)."""
-    logits = logits.astype(mx.float32)
-    return mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - mx.logsumexp(
-        logits, axis=-1)

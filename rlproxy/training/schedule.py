@@ -12,7 +12,7 @@ update, the optimizer state's `step` before the update):
 and every rate times the trainer's `scale` (1, halved by each rollback of the eval gate). The
 state a resume needs is the optimizer's own update count (saved with the optimizer state) and
 `scale` (saved in trainer_state.json); the trainer sets the rate before each update.
-Not here: the optimizer, checkpoints (training/trainer.py, training/checkpoints.py).
+Not here: the optimizer, checkpoints (training/learner.py, training/checkpoints.py).
 """
 
 from __future__ import annotations

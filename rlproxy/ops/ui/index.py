@@ -5,7 +5,7 @@ training.jsonl since the last call (complete lines only: a line still being writ
 next time), and keeps small per-turn entries: where its line is, its session, times and token
 counts, its score and release, the step that trained it. A session page then reads just its
 turns' lines by offset, so the dashboard stays fast with 100k turns on disk. Knows nothing of
-HTTP; the records module owns the files and their format.
+HTTP; records.py owns the files' format, paths.py their names.
 """
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ from pathlib import Path
 
 import orjson
 
-from rlproxy.records import CONVERSATIONS
-
-SCORES = "prm_scores.jsonl"  # scorer.SCORES and trainer.TRAINING: not imported (MLX-free)
-TRAINING = "training.jsonl"
+from rlproxy.paths import CONVERSATIONS, SCORES, TRAINING
 
 
 @dataclass(slots=True)

@@ -3,31 +3,31 @@ the API-key cookie, and a sampler of live rates (tokens/s, cache hit rate, TTFT 
 
 Every value goes out as JSON and the pages insert it as text (app.js never uses innerHTML for
 data), so recorded agent content cannot run in the browser. Reads the records only through the
-incremental index; reads live state from the app's objects; changes nothing (the actions are
-api/admin.py's handlers, mounted here a second time for the pages' cookie auth).
+incremental index, and live state from what the app's components report (their stats and
+`health()`, by the keys in appkeys.py: none of them is imported). Changes nothing: the actions
+(`/ui/api/adapters/{step}/serve`, `/ui/api/training/*`) and a checkpoint's download are
+api/admin.py's, which mounts them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
-import io
 import json
 import time
-import zipfile
 from collections import deque
 from pathlib import Path
 
 from aiohttp import web
 
-from rlproxy.api import admin as control
-from rlproxy.ops import metrics
-from rlproxy.api.turns import json_response
+from rlproxy import paths
+from rlproxy.api.edge import json_response  # a helper, not a component
 from rlproxy.appkeys import ENGINE, LIVE, MODEL, RECORD_INDEX, SCORER, SESSIONS, SETTINGS, \
     TRAINER
-from rlproxy.training.checkpoints import complete_checkpoints
-from rlproxy.protocol import APIError
+from rlproxy.ops import metrics
 from rlproxy.ops.ui.index import RecordIndex
+from rlproxy.protocol import APIError
 
 STATIC = Path(__file__).resolve().parent / "static"
 COOKIE = "rlproxy_api_key"
@@ -67,14 +67,14 @@ async def sample_forever(app: web.Application) -> None:
     previous = None
     while True:
         engine = app[ENGINE]
-        cache = engine.prefix_cache.counters() if engine.prefix_cache is not None else {}
+        cache = engine.prefix_cache.stats if engine.prefix_cache is not None else None
         now = time.time()
-        point = {"t": now, "tokens": engine.stats["tokens"], "hits": cache.get("hits", 0),
-                 "lookups": cache.get("lookups", 0)}
+        point = {"t": now, "tokens": engine.stats.tokens, "hits": cache.hits if cache else 0,
+                 "lookups": cache.lookups if cache else 0}
         ttft = [s for t, s in list(metrics.recent_ttft) if now - t <= TTFT_WINDOW_S]
         sample = {"t": round(now, 2), "ttft_p50": percentile(ttft, 0.5),
                   "ttft_p95": percentile(ttft, 0.95), "tokens_per_s": None,
-                  "cache_hit_rate": None, "running": engine.stats["active"]}
+                  "cache_hit_rate": None, "running": engine.stats.active}
         if previous is not None:
             dt = now - previous["t"]
             sample["tokens_per_s"] = round((point["tokens"] - previous["tokens"]) / dt, 2)
@@ -134,13 +134,12 @@ async def overview(request: web.Request) -> web.Response:
     engine, scorer = app[ENGINE], app[SCORER]
     with index.lock:
         steps, events = list(index.steps[-5000:]), list(index.events[-200:])
-    cache = engine.prefix_cache.counters() if engine.prefix_cache is not None else None
+    cache = engine.prefix_cache.health() if engine.prefix_cache is not None else None
     return json_response({
         "model": app[MODEL].model_id, "adapter_version": int(engine.adapter_version),
-        "engine": dict(engine.stats),
-        "sessions_open": len(app[SESSIONS].open),
-        "scoring": {**scorer.stats, "pending": scorer.pending,
-                    "method": app[SETTINGS].scoring.method},
+        "engine": engine.health(),
+        "sessions_open": app[SESSIONS].health()["open"],
+        "scoring": scorer.health(),
         "trainer": trainer_state(app),
         "prefix_cache": None if cache is None else {
             k: cache[k] for k in ("lookups", "hits", "misses", "disk_bytes", "memory_bytes")},
@@ -149,12 +148,13 @@ async def overview(request: web.Request) -> web.Response:
 
 
 def trainer_state(app: web.Application) -> dict:
+    """/healthz's "trainer" without the journal's figures, in the pages' order."""
     trainer = app.get(TRAINER)
     if trainer is None:
         return {"enabled": False}
-    return {"enabled": True, "alive": trainer.alive, "error": trainer.error,
-            "paused": trainer.paused, "step": trainer.step, "queued": trainer.inbox.qsize(),
-            **trainer.stats}
+    t = trainer.health()
+    return {"enabled": True, "alive": t["alive"], "error": t["error"], "paused": t["paused"],
+            "step": t["step"], "queued": t["queued"], **dataclasses.asdict(trainer.stats)}
 
 
 async def sessions(request: web.Request) -> web.Response:
@@ -244,9 +244,9 @@ async def session_detail(request: web.Request) -> web.Response:
 
 def checkpoint_rows(app: web.Application, steps: list[dict]) -> list[dict]:
     rows = []
-    for path in complete_checkpoints(control.checkpoint_dir(app)):
+    for path in paths.complete_checkpoints(app[SETTINGS].records.data_dir / paths.CHECKPOINTS):
         try:
-            state = json.loads((path / "trainer_state.json").read_text())
+            state = json.loads((path / paths.TRAINER_STATE).read_text())
             step, version = int(state["step"]), state["adapter_version"]
             saved, size = path.stat().st_mtime, (path / "adapters.safetensors").stat().st_size
         except (OSError, ValueError, KeyError, TypeError):
@@ -272,26 +272,6 @@ async def adapters(request: web.Request) -> web.Response:
                           "trainer": trainer_state(app), "events": events})
 
 
-async def download(request: web.Request) -> web.Response:
-    """A checkpoint as a .zip: the adapter in mlx-lm's format plus the trainer's state."""
-    path = control.find_checkpoint(request.app, request.match_info["step"])
-
-    def pack() -> bytes:
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-            for name in ("adapters.safetensors", "adapter_config.json", "trainer_state.json"):
-                z.write(path / name, f"{path.name}/{name}")
-        return buf.getvalue()
-
-    try:
-        body = await asyncio.get_running_loop().run_in_executor(None, pack)
-    except FileNotFoundError:  # pruned by --keep-checkpoints between the lookup and the read
-        raise APIError(404, f"checkpoint {path.name} was removed meanwhile", param="step",
-                       code="checkpoint_not_found") from None
-    return web.Response(body=body, content_type="application/zip", headers={
-        "Content-Disposition": f'attachment; filename="rlproxy-adapter-{path.name}.zip"'})
-
-
 def add_ui_routes(app: web.Application) -> None:
     app.router.add_get("/ui", page)
     app.router.add_get("/ui/", page)
@@ -301,8 +281,4 @@ def add_ui_routes(app: web.Application) -> None:
     app.router.add_get("/ui/api/sessions", sessions)
     app.router.add_get("/ui/api/sessions/{session_id}", session_detail)
     app.router.add_get("/ui/api/adapters", adapters)
-    app.router.add_get("/ui/api/adapters/{step}.zip", download)
-    # the same actions as /v1/..., reachable with the pages' cookie
-    app.router.add_post("/ui/api/adapters/{step}/serve", control.serve_adapter)
-    app.router.add_post("/ui/api/training/pause", control.pause_training)
-    app.router.add_post("/ui/api/training/resume", control.resume_training)
+    # the actions and a checkpoint's download: api/admin.py's add_routes

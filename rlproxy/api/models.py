@@ -1,0 +1,38 @@
+"""GET /v1/models and /v1/models/{id}: the served model names, in a shape both SDKs parse."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from aiohttp import web
+
+from rlproxy.api.edge import json_response
+from rlproxy.appkeys import MODEL, STARTED
+from rlproxy.ops.health import served_names
+from rlproxy.protocol import APIError, shown
+
+
+def model_card(app: web.Application, name: str) -> dict:
+    """One served model in a shape both SDKs parse: OpenAI's fields, then Anthropic's."""
+    created = int(app[STARTED])
+    return {"id": name, "object": "model", "created": created, "owned_by": "rlproxy",
+            "type": "model", "display_name": name,
+            "created_at": datetime.fromtimestamp(created, timezone.utc).strftime(
+                "%Y-%m-%dT%H:%M:%SZ"),
+            "max_input_tokens": app[MODEL].context_length}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    data = [model_card(request.app, name) for name in served_names(request.app)]
+    # has_more/first_id/last_id: Anthropic's page fields (one page holds every model).
+    return json_response({"object": "list", "data": data, "has_more": False,
+                          "first_id": data[0]["id"] if data else None,
+                          "last_id": data[-1]["id"] if data else None})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["model_id"]
+    if name not in served_names(request.app):
+        raise APIError(404, f"The model {shown(name)} does not exist", param="model",
+                       code="model_not_found")
+    return json_response(model_card(request.app, name))

@@ -1,0 +1,59 @@
+"""`/healthz`: one JSON object about the whole server, collected from what each component
+reports about itself (its `health()`), and the status code that goes with it.
+
+Reads the app's objects by the keys in appkeys.py and imports none of them; the HTTP handler is
+app.py's. The object's keys and their order are a contract (`rlproxy status`, probes, tests):
+add, never rename.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from rlproxy.appkeys import (
+    ADMISSION, ENGINE, MODEL, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER,
+)
+
+NO_PREFIX_CACHE = {"enabled": False, "reason": "--no-prefix-cache"}
+
+
+def served_names(app: web.Application) -> list[str]:
+    """The model names this server answers to (--served-model-name, else the model's id)."""
+    return app[SETTINGS].server.served_model_name or [app[MODEL].model_id]
+
+
+def health(app: web.Application, blas: str) -> tuple[dict, int]:
+    """(the body, 200, or 503 once the engine thread has died). BLAS: which BLAS MLX uses
+    (serving/blas.py, read by the caller: ops/ imports no serving module)."""
+    engine, model = app[ENGINE], app[MODEL]
+    ok = engine.alive and engine.error is None
+    body = {
+        "status": "ok" if ok else "error",
+        "error": engine.error,
+        "model": model.model_id,
+        "model_source": {"path": model.source, "origin": model.origin},
+        "served_model_names": served_names(app),
+        "adapter_version": int(engine.adapter_version),
+        "blas": blas,
+        "context_length": model.context_length,
+        "engine": engine.health(),
+        "prefix_cache": prefix_cache_health(app),
+        "sessions_open": app[SESSIONS].health()["open"],
+        "requests": app[ADMISSION].health(),
+        "scoring": app[SCORER].health(),
+        "trainer": trainer_health(app),
+        "uptime_s": round(time.time() - app[STARTED], 1),
+    }
+    return body, 200 if ok else 503
+
+
+def prefix_cache_health(app: web.Application) -> dict:
+    cache = app[ENGINE].prefix_cache
+    return cache.health() if cache is not None else dict(NO_PREFIX_CACHE)
+
+
+def trainer_health(app: web.Application) -> dict:
+    trainer = app.get(TRAINER)
+    return trainer.health() if trainer is not None else {"enabled": False}

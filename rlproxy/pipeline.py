@@ -1,0 +1,123 @@
+"""The learning path, wired in one place: session store → scorer → trainer.
+
+A finished main turn goes from the session store to the scorer (`on_trainable`, and
+`on_closed` when its session ends); a scored item that the scorer releases goes to the
+trainer (`on_released`); the trainer publishes adapters to the engine. Each part is built with
+its sink, so `build_pipeline` reads top to bottom as that sentence does (built back to front:
+a sink exists before what feeds it). `pipeline_context` starts and stops the three in one
+place, in an order written out below rather than implied by the app's cleanup contexts.
+
+Owns no behaviour of its own: the store, the scorer and the trainer are in sessions/, scoring/
+and training/; the engine and the model it is given are built by app.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from rlproxy.appkeys import ENGINE, MODEL, SCORER, SESSIONS, TRAINER
+from rlproxy.ops.progress import phase
+from rlproxy.scoring.judges import LocalJudge, RemoteJudge
+from rlproxy.scoring.scorer import Scorer
+from rlproxy.serving.engine import Engine
+from rlproxy.serving.model import LoadedModel, load_base_model
+from rlproxy.sessions.store import SessionStore, sweep_idle_forever
+from rlproxy.settings import Settings
+from rlproxy.training.items import released_turns
+from rlproxy.training.learner import training_copy
+from rlproxy.training.loop import Trainer
+
+
+@dataclass
+class Pipeline:
+    store: SessionStore
+    scorer: Scorer
+    trainer: Trainer | None  # None with --no-train: released items go nowhere
+    judges: list = field(default_factory=list)  # the judge/teacher backends, closed last
+
+
+def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine) -> Pipeline:
+    judge, teacher, judges = make_judges(settings, engine)
+    trainer = make_trainer(settings, model, engine) if settings.trainer.train else None
+    # a released item goes to the trainer (a thread-safe submit)
+    scorer = Scorer(settings.scoring, settings.records.data_dir, judge, teacher, model.tokenizer,
+                    fsync=settings.records.fsync, baseline=settings.trainer.baseline,
+                    on_released=trainer.submit if trainer is not None else None)
+    # a finished main turn goes to the scorer; a closed session tells it no next state comes
+    store = SessionStore(settings.records.data_dir, settings.sessions.session_idle_timeout_s,
+                         fsync=settings.records.fsync, on_trainable=scorer.submit,
+                         on_closed=scorer.session_closed,
+                         max_open_sessions=settings.sessions.max_open_sessions,
+                         train_sessions_matching=settings.sessions.train_sessions_matching)
+    return Pipeline(store, scorer, trainer, judges)
+
+
+def make_judges(settings: Settings, engine: Engine):
+    """(judge, teacher, every backend made): a local base-model copy and/or a remote server."""
+    s = settings.scoring
+    needs_judge = s.judge and s.method != "opd"
+    needs_local = ((needs_judge or s.method != "rl") and s.judge_url is None) or (
+        s.method != "rl" and s.teacher_url is None)
+    local = remote = None
+    if needs_local:  # a second, adapter-free copy of the base model, on its own thread
+        with phase("loaded the judge's base model"):
+            base, tokenizer = load_base_model(settings.model)
+        local = LocalJudge(base, tokenizer, busy=lambda: engine.stats.active > 0,
+                           yield_ms=s.judge_yield_ms)
+    if s.judge_url or s.teacher_url:
+        remote = RemoteJudge(s.judge_url or s.teacher_url, s.judge_model, s.judge_api_key,
+                             s.judge_timeout_s, s.judge_retries, teacher_url=s.teacher_url)
+    judge = remote if s.judge_url else local
+    teacher = remote if s.teacher_url else local
+    return judge, teacher, [b for b in (remote, local) if b is not None]
+
+
+def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine) -> Trainer:
+    with phase("made the trainer's model"):
+        model = training_copy(loaded)  # on the main thread: see app.py's engine_context
+    ref = load_base_model(settings.model)[0] if settings.trainer.kl_coef > 0 else None
+    trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref,
+                      vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer)
+    trainer.resume()
+    # released before a restart but not trained yet: train them now (the trainer has read its
+    # journal: quarantined turns stay out, a crashed step's turns come back alone)
+    s = settings.scoring
+    for scored in released_turns(settings.records.data_dir, s.w_opd, s.w_rl,
+                                 skip=trainer.trained,
+                                 max_attempts=settings.trainer.max_step_attempts):
+        trainer.submit(scored)
+    return trainer
+
+
+def pipeline_context(settings: Settings):
+    async def ctx(app: web.Application):
+        loop = asyncio.get_running_loop()
+        p = build_pipeline(settings, app[MODEL], app[ENGINE])
+        if p.trainer is not None:
+            p.trainer.start()
+            app[TRAINER] = p.trainer
+        app[SCORER], app[SESSIONS] = p.scorer, p.store
+        scoring = asyncio.create_task(p.scorer.run())
+        sweeper = asyncio.create_task(sweep_idle_forever(p.store))
+        yield
+        # Stopped in the order the work flows: the store files its last turns, the trainer
+        # finishes its step and saves (the scorer may still release meanwhile: a restart trains
+        # what the stopped trainer did not), then the scorer and the judges it called.
+        sweeper.cancel()
+        await asyncio.gather(sweeper, return_exceptions=True)
+        await loop.run_in_executor(None, p.store.close)  # joins the writer threads
+        if p.trainer is not None:
+            await loop.run_in_executor(None, p.trainer.stop)
+        scoring.cancel()
+        await asyncio.gather(scoring, return_exceptions=True)
+        await loop.run_in_executor(None, p.scorer.close)
+        for backend in p.judges:
+            if isinstance(backend, RemoteJudge):
+                await backend.close()
+            else:
+                await loop.run_in_executor(None, backend.close)
+
+    return ctx

@@ -1,0 +1,78 @@
+"""Log-probabilities of tokens under a model, at temperature 1 and in float32: the quantity the
+engine records for every sampled token, the trainer's losses compare with, the judge's teacher
+returns, the Tinker API's `compute_logprobs` answers and the eval gate's KL is made of. Written
+once, here, at the lowest layer, so that scoring, training and tinker all compute the same thing.
+
+`sequence_logprobs` is the one model-forward function over a token sequence: a KV cache prefilled
+in chunks (keys and values only, no logits), then the scored positions, so a long sequence never
+materialises logits for all its positions. `between(seconds)` is called after each evaluated
+chunk: the caller's chance to yield to live requests.
+
+Not here: sampling (serving/sampler.py), losses (training/losses.py), the trainer's chunked
+forward and backward with gradients (training/chunked_grad.py, which uses `logprobs_of`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """Every token's log-prob at temperature 1, in float32. (..., V) -> (..., V)."""
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def logprobs_of(logits: mx.array, targets: mx.array) -> mx.array:
+    """The targets' log-softmax at temperature 1. logits: (B, T, V), targets: (B, T) -> (B, T)."""
+    logits = logits.astype(mx.float32)
+    return mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - mx.logsumexp(
+        logits, axis=-1)
+
+
+def token_logprobs(model: nn.Module, inputs: mx.array, targets: mx.array) -> mx.array:
+    """log p(targets[t] | inputs[..t]) in one pass, differentiable through MODEL.
+    inputs: (B, T), targets: (B, T) next tokens -> (B, T)."""
+    return logprobs_of(model(inputs), targets)
+
+
+def spans(n: int, step: int) -> list[tuple[int, int]]:
+    """[0, n) cut into (start, end) pieces of at most STEP positions."""
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def prefill(model: nn.Module, ids: list[int], cuts: Iterable[tuple[int, int]],
+            between: Callable[[float], None] = lambda s: None) -> list:
+    """A KV cache holding IDS, run through MODEL one (start, end) of CUTS at a time, each
+    evaluated and followed by `between(its seconds)`."""
+    cache = make_prompt_cache(model)
+    for a, b in cuts:
+        tic = time.perf_counter()
+        model(mx.array(ids[a:b])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        between(time.perf_counter() - tic)
+    return cache
+
+
+def sequence_logprobs(model: nn.Module, ids: list[int], start: int = 1, step: int | None = None,
+                      between: Callable[[float], None] = lambda s: None) -> mx.array:
+    """log p(ids[t] | ids[:t]) for t = START .. len(IDS) - 1, shape (len(IDS) - START,).
+    ids[:START - 1] only fill the KV cache; the scored positions run STEP at a time (None: all
+    at once); the prefill is cut the same way."""
+    ids, step = list(ids), step or len(ids)
+    cache = prefill(model, ids, spans(start - 1, step), between)
+    out = []
+    for a in range(start - 1, len(ids) - 1, step):  # position t predicts ids[t + 1]
+        b = min(a + step, len(ids) - 1)
+        tic = time.perf_counter()
+        lp = logprobs_of(model(mx.array(ids[a:b])[None], cache=cache),
+                         mx.array(ids[a + 1:b + 1])[None])[0]
+        mx.eval(lp)
+        between(time.perf_counter() - tic)
+        out.append(lp)
+    return mx.concatenate(out) if out else mx.zeros((0,), mx.float32)

@@ -1,0 +1,175 @@
+"""The learner: gradients in, LoRA updates out.
+
+Owns the training model (LoRA layers of its own over the serving model's frozen base arrays:
+MLX arrays are immutable, so sharing them is safe), the KL reference model, the AdamW optimizer
+and its state, the policy loss, and the learning rate: the schedule (training/schedule.py) at the
+optimizer's update count, times `lr_scale`. Its calls are named after the Tinker API's
+TrainingClient (`forward_backward`, `optim_step`, `save_state`, `load_state`,
+`save_weights_for_sampler`) so that a learner on another machine can stand behind the same calls;
+as in Tinker, gradients accumulate inside it from `forward_backward` until `optim_step`.
+
+Not here: which items train, batches, the journal, pacing, publishing, step lines
+(training/loop.py); one sequence's chunked forward and backward (training/chunked_grad.py); the
+checkpoint format on disk (training/checkpoints.py). Every call runs on the trainer thread, which
+owns the arrays, or before it starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from rlproxy.serving.model import lora_weights, quantize_base
+from rlproxy.settings import Settings
+from rlproxy.training import chunked_grad, losses, schedule
+from rlproxy.training.checkpoints import layout_mismatch, load_checkpoint, save_checkpoint
+
+
+class LayoutMismatch(ValueError):
+    """A checkpoint of another model or LoRA layout than the learner's (its message: where)."""
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss: float  # summed over the examples, each already divided by `tokens`
+    kl: float  # summed over the trained tokens (0 without a KL penalty)
+    entropy: float  # summed over the trained tokens
+    tokens: int  # completion tokens of the call: the normaliser
+
+
+@dataclass
+class OptimStepOutput:
+    grad_norm: float  # before clipping
+    learning_rate: float
+
+
+def training_copy(loaded) -> nn.Module:
+    """A second model object over the same base arrays, with LoRA layers of its own."""
+    import mlx_lm
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = mlx_lm.load(loaded.source, lazy=True)  # architecture only; weights never read
+    cfg = loaded.lora_config
+    linear_to_lora_layers(model, cfg["num_layers"], cfg["lora_parameters"])
+    quantize_base(model, loaded.quantize_bits)  # the same structure as the serving model
+    model.update(tree_unflatten(tree_flatten(loaded.model.parameters())))
+    model.freeze()
+    model.unfreeze(keys=["lora_a", "lora_b"], strict=False)
+    model.train()
+    mx.eval(model.parameters())
+    return model
+
+
+class LocalLearner:
+    """The learner in this process, on the model it is given."""
+
+    def __init__(self, settings: Settings, model: nn.Module, lora_config: dict,
+                 checkpoints: Path, ref_model: nn.Module | None = None):
+        t = settings.trainer
+        self.t, self.settings, self.model, self.ref_model = t, settings, model, ref_model
+        self.lora_config, self.checkpoints = lora_config, Path(checkpoints)
+        self.optimizer = optim.AdamW(learning_rate=t.learning_rate, weight_decay=t.weight_decay)
+        self.optimizer.init(model.trainable_parameters())
+        mx.eval(self.optimizer.state)  # concrete now: the trainer thread must not build on it
+        self.loss_fn = losses.policy_loss(t.loss_fn)
+        self.lr_scale = 1.0  # times the schedule's rate; each gate rollback multiplies it
+        self.grads = None  # accumulated by forward_backward since the last optim_step
+        self.shape = chunked_grad.model_shape(model)
+        self.memory_budget = (t.train_memory_gb * 2**30 if t.train_memory_gb
+                              else chunked_grad.default_budget(model, ref_model))
+
+    def too_big(self, ex: dict) -> str | None:
+        """Why a step on example EX would not fit in the memory budget, or None."""
+        return chunked_grad.over_budget(self.shape, ex, self.t.train_chunk_tokens,
+                                        self.t.prompt_grad, self.memory_budget)
+
+    def forward_backward(self, examples: list[dict],
+                         between: Callable[[float], None]) -> ForwardBackwardOutput:
+        """The loss of EXAMPLES (training/examples.py), normalised by their completion
+        tokens, and its LoRA gradient, added to the accumulated one. One micro-step per
+        example, each cut into units followed by `between(seconds)`. A call that raises adds
+        nothing."""
+        n_tokens = sum(e["tokens"] for e in examples)
+        grads, total, kl_total, entropy = None, 0.0, 0.0, 0.0
+        t = self.t
+        for ex in examples:
+            (loss, kl, ent), g = chunked_grad.example_grad(
+                self.model, ex, self.loss_fn, n_tokens, chunk=t.train_chunk_tokens,
+                prompt_grad=t.prompt_grad, between=between, ref_model=self.ref_model,
+                kl_coef=t.kl_coef, entropy_coef=t.entropy_coef, eps_low=t.eps_low,
+                eps_high=t.eps_high, beta=t.dro_beta)
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            total += loss
+            kl_total += kl
+            entropy += ent
+        self.grads = grads if self.grads is None else tree_map(mx.add, self.grads, grads)
+        return ForwardBackwardOutput(total, kl_total, entropy, n_tokens)
+
+    def learning_rate(self) -> float:
+        """The rate of the next update: the schedule at the optimizer's update count."""
+        return schedule.lr_at(int(self.optimizer.state["step"].item()), self.t, self.lr_scale)
+
+    def optim_step(self, learning_rate: float) -> OptimStepOutput:
+        """Apply the accumulated gradient (clipped to grad_clip when set) at LEARNING_RATE."""
+        grads, self.grads = self.grads, None
+        if self.t.grad_clip > 0:
+            grads, grad_norm = optim.clip_grad_norm(grads, self.t.grad_clip)
+        else:
+            grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+        self.optimizer.learning_rate = learning_rate
+        self.optimizer.update(self.model, grads)
+        mx.eval(self.model.parameters(), self.optimizer.state, grad_norm)
+        return OptimStepOutput(float(grad_norm.item()), learning_rate)
+
+    def save_weights_for_sampler(self) -> dict[str, mx.array]:
+        """The adapter to serve (evaluated arrays, by LoRA parameter name)."""
+        return lora_weights(self.model)
+
+    def set_weights(self, weights: dict[str, mx.array]) -> None:
+        """Put WEIGHTS into the model (the optimizer state stays): the eval gate measures the
+        served and the base adapter this way."""
+        self.model.update(tree_unflatten(list(weights.items())))
+
+    # ---- state: checkpoints and snapshots ----
+
+    def save_state(self, step: int, version: int, metadata: dict,
+                   protect: Path | None = None) -> Path:
+        """Checkpoint STEP under `checkpoints`: the adapter (as adapter VERSION), the optimizer
+        state, and trainer_state.json with the settings, METADATA (the loop's: its reward
+        baseline, the served version), the learning-rate scale and schedule. Never prunes
+        PROTECT."""
+        extra = {**metadata, "lr_scale": self.lr_scale, "schedule": schedule.describe(self.t),
+                 "entropy_coef": self.t.entropy_coef}
+        return save_checkpoint(self.checkpoints, step, version, lora_weights(self.model),
+                               self.optimizer.state, self.lora_config,
+                               self.settings.model_dump(mode="json"), self.t.keep_checkpoints,
+                               extra=extra, protect=protect)
+
+    def load_state(self, path: Path) -> dict:
+        """Load checkpoint PATH's adapter and optimizer state (the update count the schedule
+        runs on comes with it); its trainer_state.json. LayoutMismatch, with nothing changed,
+        for a checkpoint of another model or LoRA layout (MLX's `update` would take it)."""
+        adapter, opt_state, state = load_checkpoint(path)
+        problem = layout_mismatch(lora_weights(self.model), adapter, self.optimizer.state,
+                                  opt_state)
+        if problem:
+            raise LayoutMismatch(problem)
+        self.restore({"adapter": adapter, "optimizer": opt_state})
+        return state
+
+    def snapshot(self) -> dict:
+        """The adapter and optimizer state, for `restore` (arrays are immutable: references
+        suffice)."""
+        return {"adapter": lora_weights(self.model),
+                "optimizer": tree_map(lambda x: x, self.optimizer.state)}
+
+    def restore(self, snapshot: dict) -> None:
+        self.set_weights(snapshot["adapter"])
+        self.optimizer.state = tree_map(lambda x: x, snapshot["optimizer"])  # its own containers
+        mx.eval(self.model.parameters(), self.optimizer.state)
