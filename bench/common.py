@@ -20,9 +20,9 @@ import mlx.core as mx
 from aiohttp import web
 
 from rlproxy.api import edge
+from rlproxy.app import create_app
 from rlproxy.serving.blas import blas_in_use
 from rlproxy.serving.model import LoadedModel
-from rlproxy.app import create_app
 from rlproxy.settings import Settings
 
 

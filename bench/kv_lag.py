@@ -39,9 +39,9 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from common import environment, percentile, report
+from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.serving.engine import Engine, Job, SamplingParams
 from rlproxy.serving.model import load_serving_model, lora_weights
-from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.settings import load_settings
 from rlproxy.training.learner import training_copy
 from rlproxy.training.loop import Trainer

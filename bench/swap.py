@@ -49,13 +49,13 @@ import mlx.optimizers as optim
 from mlx.utils import tree_map
 
 from common import environment, percentile, report
-from rlproxy.serving.engine import Engine, Job, SamplingParams
-from rlproxy.serving.model import LoadedModel, load_serving_model, lora_weights
 from rlproxy.kv.blobs import adapter_fingerprint
 from rlproxy.kv.prefix_cache import open_prefix_cache
-from rlproxy.records import read_jsonl
-from rlproxy.settings import Settings, load_settings
 from rlproxy.paths import TRAINING
+from rlproxy.records import read_jsonl
+from rlproxy.serving.engine import Engine, Job, SamplingParams
+from rlproxy.serving.model import LoadedModel, load_serving_model, lora_weights
+from rlproxy.settings import Settings, load_settings
 from rlproxy.training.learner import training_copy
 from rlproxy.training.loop import Trainer
 

@@ -19,8 +19,8 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.api import admin, edge, models, responses, sessions
-from rlproxy.api.edge import json_response
 from rlproxy.api.chat import chat_completions
+from rlproxy.api.edge import json_response
 from rlproxy.api.feedback import feedback
 from rlproxy.api.messages import count_tokens, create_message
 from rlproxy.api.middlewares import auth_middleware, errors_middleware

@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from rlproxy.ops import progress
 from rlproxy.flags import SETTINGS_SOURCES, add_serve_flags, add_setting_flag, flags_from
+from rlproxy.ops import progress
 from rlproxy.ops.logs import setup_logging
 from rlproxy.settings import ModelSettings, load_settings
 
@@ -68,8 +68,8 @@ def records_tail(args: argparse.Namespace) -> int:
 
 
 def fuse_cmd(args: argparse.Namespace) -> int:
-    from rlproxy.training.checkpoints import fuse
     from rlproxy.serving.model import resolve_model_path
+    from rlproxy.training.checkpoints import fuse
 
     settings = load_settings({"model": args.model})
     source, _ = resolve_model_path(settings.model)
@@ -84,10 +84,10 @@ def fuse_cmd(args: argparse.Namespace) -> int:
 
 def train_cmd(args: argparse.Namespace) -> int:
     """Retrain from recorded turns and scores with the live trainer's code path."""
+    from rlproxy.lru import LRU
     from rlproxy.serving.model import load_serving_model
     from rlproxy.training.items import released_turns
     from rlproxy.training.learner import training_copy
-    from rlproxy.lru import LRU
     from rlproxy.training.loop import Trainer
 
     source = Path(args.source)

@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 
 from rlproxy.api import edge
-from rlproxy.serving.model import load_serving_model, save_adapter
 from rlproxy.app import create_app
+from rlproxy.serving.model import load_serving_model, save_adapter
 from rlproxy.settings import ModelSettings, load_settings
 
 

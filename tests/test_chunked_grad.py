@@ -17,13 +17,12 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from rlproxy.serving.logprobs import logprobs_of, sequence_logprobs, token_logprobs
-from rlproxy.training import chunked_grad as cg
-from rlproxy.training import losses
-from rlproxy.training.examples import pack, turn_example
 from rlproxy.serving.jobs import Job, SamplingParams
+from rlproxy.serving.logprobs import logprobs_of, sequence_logprobs, token_logprobs
 from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import ModelSettings
+from rlproxy.training import chunked_grad as cg, losses
+from rlproxy.training.examples import pack, turn_example
 from rlproxy.training.loop import Trainer, training_copy
 from conftest import make_settings, read_records
 

@@ -14,9 +14,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlproxy.demo import run as demo
-from rlproxy.serving.embedded_model import embedded_model_path
 from rlproxy.paths import PENDING
 from rlproxy.records import load_pending
+from rlproxy.serving.embedded_model import embedded_model_path
 from conftest import read_records
 
 

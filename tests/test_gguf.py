@@ -17,8 +17,8 @@ import pytest
 import requests
 
 from conftest import ServerThread, make_settings
-from rlproxy.serving import gguf
 from rlproxy.cli import main
+from rlproxy.serving import gguf
 from rlproxy.serving.embedded_model import embedded_model_path
 from rlproxy.serving.model import load_serving_model
 from rlproxy.serving.model_fetch import ModelUnavailable, named_model_file

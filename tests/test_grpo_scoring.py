@@ -13,8 +13,8 @@ import pytest
 import requests
 from aiohttp import web
 
-from rlproxy.scoring import judging as scoring
 from rlproxy.appkeys import SCORER
+from rlproxy.scoring import judging as scoring
 from rlproxy.scoring.rewards import RewardFunctions
 from conftest import AppThread, ServerThread, make_settings, read_records
 

@@ -15,14 +15,13 @@ import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from rlproxy.training import degeneracy
-from rlproxy.training import gate as eval_gate
 from rlproxy.serving.engine import Engine
-from rlproxy.training.checkpoints import latest_checkpoint
 from rlproxy.serving.model import load_serving_model, lora_weights
-from rlproxy.training.schedule import lr_at
 from rlproxy.settings import ModelSettings, TrainerSettings
+from rlproxy.training import degeneracy, gate as eval_gate
+from rlproxy.training.checkpoints import latest_checkpoint
 from rlproxy.training.loop import Trainer, training_copy
+from rlproxy.training.schedule import lr_at
 from conftest import make_settings, read_records
 from test_chunked_grad import first_token_s
 from test_trainer import sample  # the engine's own samples, token ids and log-probs

@@ -27,8 +27,8 @@ import requests
 
 from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import ModelSettings
-from rlproxy.training.journal import JOURNAL
 from rlproxy.training.items import released_turns
+from rlproxy.training.journal import JOURNAL
 from rlproxy.training.loop import Trainer, training_copy
 from conftest import ServerThread, make_settings, read_records
 from test_durability import free_port, read_lines, stop

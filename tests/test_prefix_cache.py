@@ -17,9 +17,9 @@ import requests
 from mlx.utils import tree_unflatten
 
 from conftest import ServerThread, make_settings
+from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.serving.engine import Engine, Job, SamplingParams
 from rlproxy.serving.model import load_serving_model, lora_weights
-from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.settings import CacheSettings, ModelSettings
 
 TOL = 1e-4

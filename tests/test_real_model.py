@@ -21,8 +21,8 @@ import requests
 from conftest import ServerThread, make_settings, read_records
 from demo_agent import wait_for_steps
 from test_scoring import Judge, lines, run_session, wait_scored
-from rlproxy.scoring import judging as scoring
 from rlproxy.cli import main
+from rlproxy.scoring import judging as scoring
 from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import ModelSettings
 

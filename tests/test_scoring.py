@@ -15,8 +15,8 @@ import pytest
 import requests
 from aiohttp import web
 
-from rlproxy.scoring import judging as scoring
 from rlproxy.appkeys import ENGINE, SCORER
+from rlproxy.scoring import judging as scoring
 from rlproxy.serving.model import lora_weights
 from conftest import AppThread, ServerThread, make_settings, read_records
 

@@ -13,12 +13,12 @@ import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx
 import pytest
 
-from rlproxy.training import degeneracy
 from rlproxy.scoring import judging as scoring
 from rlproxy.serving.engine import Engine
+from rlproxy.serving.logprobs import token_logprobs
 from rlproxy.serving.model import load_serving_model, lora_weights
 from rlproxy.settings import ModelSettings, TrainerSettings
-from rlproxy.serving.logprobs import token_logprobs
+from rlproxy.training import degeneracy
 from rlproxy.training.examples import no_signal
 from rlproxy.training.loop import Trainer, training_copy
 from conftest import make_settings, read_records

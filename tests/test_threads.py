@@ -13,13 +13,13 @@ import requests
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from transformers import AutoTokenizer
 
+from rlproxy.api.tags import TurnTags
 from rlproxy.appkeys import MODEL, SCORER, SESSIONS
 from rlproxy.serving.completions import ChoiceText, prompt_opens_reasoning, reasoning_markers
 from rlproxy.serving.embedded_model import embedded_model_path
-from rlproxy.api.tags import TurnTags
 from rlproxy.sessions.store import SessionStore
-from rlproxy.sessions.turn import Turn
 from rlproxy.sessions.threads import system_key
+from rlproxy.sessions.turn import Turn
 
 from conftest import TOOL_PROMPT, TOOLS, ServerThread, make_settings, read_records
 

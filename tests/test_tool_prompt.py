@@ -13,7 +13,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import AutoTokenizer
 
 from rlproxy.appkeys import SESSIONS
-from rlproxy.serving.chat_template import FALLBACK_FORMAT, render_prompt, supports_tools, tool_format
+from rlproxy.serving.chat_template import FALLBACK_FORMAT
+from rlproxy.serving.chat_template import render_prompt
+from rlproxy.serving.chat_template import supports_tools
+from rlproxy.serving.chat_template import tool_format
 from rlproxy.serving.completions import ChoiceText
 
 from conftest import TOOL_PROMPT, TOOL_REPLY, TOOLS, ServerThread, make_settings, read_records

@@ -17,10 +17,10 @@ import requests
 from mlx.utils import tree_flatten
 
 from rlproxy.paths import complete_checkpoints
-from rlproxy.training.checkpoints import latest_checkpoint
 from rlproxy.serving.engine import Engine, Job, SamplingParams
 from rlproxy.serving.model import load_serving_model, lora_weights
 from rlproxy.settings import ModelSettings
+from rlproxy.training.checkpoints import latest_checkpoint
 from rlproxy.training.loop import Trainer, training_copy
 from conftest import ServerThread, make_settings, read_records
 
@@ -253,8 +253,8 @@ def test_qlora_trains_lora_over_a_quantized_frozen_base(tmp_path):
 # ---- schedules, entropy and resume ----
 
 def test_learning_rate_schedules_by_hand():
-    from rlproxy.training.schedule import lr_at
     from rlproxy.settings import TrainerSettings
+    from rlproxy.training.schedule import lr_at
 
     t = TrainerSettings(learning_rate=1e-3, warmup_steps=2, lr_min=1e-4, lr_decay_steps=4,
                         lr_schedule="cosine")

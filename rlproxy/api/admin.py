@@ -25,9 +25,9 @@ from aiohttp import web
 from rlproxy import paths
 from rlproxy.api.edge import json_response
 from rlproxy.appkeys import ENGINE, SETTINGS, TRAINER
+from rlproxy.paths import complete_checkpoints
 from rlproxy.protocol import APIError, shown
 from rlproxy.records import JsonlWriter, read_jsonl
-from rlproxy.paths import complete_checkpoints
 
 ROLLBACK_TIMEOUT_S = 300.0  # the trainer finishes the step in progress first
 
@@ -111,8 +111,8 @@ def publish_checkpoint(app: web.Application, path: Path) -> dict:
     the event loop's thread, where the models were loaded (a small adapter loads in ms)."""
     import mlx.core as mx
 
-    from rlproxy.training.checkpoints import layout_mismatch
     from rlproxy.serving.model import lora_weights
+    from rlproxy.training.checkpoints import layout_mismatch
 
     engine = app[ENGINE]
     weights = mx.load(str(path / "adapters.safetensors"))

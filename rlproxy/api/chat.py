@@ -14,10 +14,10 @@ from aiohttp import web
 
 from rlproxy import protocol
 from rlproxy.api.edge import json_body, json_response
-from rlproxy.api.turns import Call, drain, open_sse, replay_kept, serve_turn
-from rlproxy.serving.completions import EngineFailure
-from rlproxy.protocol import APIError
 from rlproxy.api.tags import parse_turn_tags
+from rlproxy.api.turns import Call, drain, open_sse, replay_kept, serve_turn
+from rlproxy.protocol import APIError
+from rlproxy.serving.completions import EngineFailure
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -19,11 +19,11 @@ from multidict import CIMultiDict
 from rlproxy.api import messages_output as out
 from rlproxy.api.edge import json_body, json_response, max_json_depth
 from rlproxy.api.messages_input import CountTokensRequest, MessagesRequest, to_chat_request
+from rlproxy.api.tags import parse_turn_tags
 from rlproxy.api.turns import Call, drain, open_sse, replay_kept, serve_turn
 from rlproxy.appkeys import MODEL
-from rlproxy.serving.completions import EngineFailure, build_prompt
 from rlproxy.protocol import APIError
-from rlproxy.api.tags import parse_turn_tags
+from rlproxy.serving.completions import EngineFailure, build_prompt
 
 PING_INTERVAL_S = 5.0  # a long prompt's prefill takes minutes here; keep the line alive
 

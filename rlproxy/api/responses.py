@@ -22,11 +22,11 @@ from rlproxy.api import response_store
 from rlproxy.api.edge import json_body, json_response, max_json_depth
 from rlproxy.api.responses_input import ResponsesRequest, input_messages, to_chat_request, \
     tool_namespaces
+from rlproxy.api.tags import parse_turn_tags
 from rlproxy.api.turns import Call, drain, open_sse, replay_kept, serve_turn
 from rlproxy.appkeys import RESPONSES
-from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure
 from rlproxy.protocol import APIError, shown
-from rlproxy.api.tags import parse_turn_tags
+from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure
 
 
 def new_id(prefix: str) -> str:

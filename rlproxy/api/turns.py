@@ -37,9 +37,9 @@ from rlproxy.ops.health import served_names
 from rlproxy.ops.logs import TURN_UID
 from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure, Generation, Prompt, \
     build_prompt, sampling_params
-from rlproxy.serving.engine import SamplingParams
-from rlproxy.protocol import APIError, ChatRequest
 from rlproxy.api.tags import TurnTags
+from rlproxy.protocol import APIError, ChatRequest
+from rlproxy.serving.engine import SamplingParams
 from rlproxy.sessions.store import Placement, Session, Turn
 
 LOGPROB_DEFINITION = ("log_softmax(logits) at temperature 1, after logit_bias and penalties, "

@@ -42,8 +42,8 @@ from aiohttp import ClientSession, ClientTimeout, web
 from rlproxy import paths
 from rlproxy.demo import guard as demo_guard
 from rlproxy.ops import progress
-from rlproxy.training.checkpoints import latest_checkpoint
 from rlproxy.settings import load_settings
+from rlproxy.training.checkpoints import latest_checkpoint
 
 REWARD_FUNCTION = "rlproxy.demo.run:digit_reward"
 MAX_TOKENS = 16  # per reply: short replies keep a 2-core CPU at several PPO steps a minute
@@ -360,8 +360,8 @@ def training_rewards(data_dir: Path, by_step: bool = False) -> list[tuple[int, f
     The demo is on-policy: step k trains on turns sampled by version k - 1. BY_STEP: (the
     step's number, mean reward) instead (with the gate, turns are sampled by the served
     adapter, not by the previous step's)."""
-    from rlproxy.records import read_jsonl
     from rlproxy.paths import TRAINING
+    from rlproxy.records import read_jsonl
 
     return [(line["step"] if by_step else line["adapter_version"] - 1, line["reward_mean"])
             for line in read_jsonl(data_dir / TRAINING)

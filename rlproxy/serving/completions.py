@@ -23,9 +23,9 @@ from mlx_lm.generate import TextStateMachine
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from rlproxy import protocol
+from rlproxy.protocol import APIError, ChatRequest
 from rlproxy.serving.chat_template import ToolFormat, render_prompt, tool_format
 from rlproxy.serving.engine import Engine, Job, SamplingParams
-from rlproxy.protocol import APIError, ChatRequest
 
 
 @dataclass

@@ -37,13 +37,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from rlproxy.ops import metrics
-from rlproxy.serving.jobs import Job, SamplingParams, Step, Token  # noqa: F401  (the engine's interface)
 from rlproxy.kv.blobs import adapter_fingerprint, weights_fingerprint
+from rlproxy.kv.prefix_cache import PrefixCache
+from rlproxy.ops import metrics
+from rlproxy.serving.jobs import Job  # noqa: F401  (the engine's interface)
+from rlproxy.serving.jobs import SamplingParams  # noqa: F401  (the engine's interface)
+from rlproxy.serving.jobs import Step  # noqa: F401  (the engine's interface)
+from rlproxy.serving.jobs import Token  # noqa: F401  (the engine's interface)
 from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.serving.named import NamedAdapters
 from rlproxy.serving.prefill import Loader, PrefillLane
-from rlproxy.kv.prefix_cache import PrefixCache
 from rlproxy.serving.sampler import make_processors, make_sampler
 
 log = logging.getLogger("rlproxy.engine")

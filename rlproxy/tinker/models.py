@@ -31,9 +31,9 @@ from rlproxy.paths import ADAPTER_CONFIG, TRAINER_STATE
 from rlproxy.serving.logprobs import sequence_logprobs, token_logprobs
 from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.serving.model import lora_weights, quantize_base, save_adapter
+from rlproxy.tinker.wire import UserError
 from rlproxy.training import losses
 from rlproxy.training.checkpoints import load_checkpoint
-from rlproxy.tinker.wire import UserError
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 

@@ -19,8 +19,8 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.api.edge import json_response
-from rlproxy.ops.health import served_names
 from rlproxy.appkeys import ENGINE, MODEL, SETTINGS
+from rlproxy.ops.health import served_names
 from rlproxy.tinker import models, wire
 from rlproxy.tinker.archive import download_checkpoint, list_checkpoints
 from rlproxy.tinker.sampling import Samplers, asample

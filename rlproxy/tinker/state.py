@@ -12,8 +12,8 @@ from pathlib import Path
 import orjson
 from aiohttp import web
 
-from rlproxy.tinker.models import Worker
 from rlproxy.tinker.futures import FutureStore
+from rlproxy.tinker.models import Worker
 from rlproxy.tinker.sampling import Samplers
 from rlproxy.tinker.wire import UserError
 
