@@ -380,8 +380,10 @@ def sft_step(model, optimizer, grad_fn, examples: list[dict]) -> float:
     tic = time.perf_counter()
     n_tokens = sum(e["tokens"] for e in examples)
     grads = None
-    for ex in examples:
-        loss, g = grad_fn(model, ex["inputs"], ex["targets"], ex["mask"], n_tokens)
+    for ex in examples:  # the trainer's example: position t predicts ids[t + 1]
+        ids = ex["ids"]
+        inputs, targets = mx.array(ids[:-1])[None], mx.array(ids[1:])[None]
+        loss, g = grad_fn(model, inputs, targets, mx.array(ex["mask"])[None], n_tokens)
         grads = g if grads is None else tree_map(mx.add, grads, g)
         mx.eval(loss, grads)
     optimizer.update(model, grads)
