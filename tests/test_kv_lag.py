@@ -236,7 +236,7 @@ def test_a_rollback_starts_a_new_lineage(changing, tmp_path):
                       loaded.lora_config, engine=e.engine, data_dir=tmp_path)
     try:
         checkpoint = save_checkpoint(trainer.learner.checkpoints, 1, 1, adapters[3],
-                                     trainer.learner.optimizer.state, loaded.lora_config, {}, 3)
+                                     trainer.learner.optimizer.state, loaded.lora_config, {})
         for v in (1, 2):
             publish(e.engine, adapters[v], v)
             steps, _ = run(e, a)

@@ -439,14 +439,35 @@ def test_an_update_for_a_waiting_turn_replaces_it_and_queued_is_pruned(own, tmp_
 
 
 def test_a_second_rollback_request_rejects_the_first(own, tmp_path):
-    from rlproxy.training.control import RollbackSuperseded
+    from rlproxy.training.control import CheckpointGone, RollbackSuperseded
 
     t = offline_trainer(own, tmp_path, save_interval=1000)
-    first = t.request_rollback(tmp_path / "one")
-    second = t.request_rollback(tmp_path / "two")
+    with pytest.raises(CheckpointGone):  # found when asked for, not later on the trainer thread
+        t.request_rollback(1)
+    for step in (1, 2):
+        t.step = step
+        t.save()
+    first = t.request_rollback(1)
+    second = t.request_rollback(2)
     with pytest.raises(RollbackSuperseded):
         first.result(timeout=1)
-    assert not second.done() and t._rollback_request[0] == tmp_path / "two"
+    assert not second.done() and t._rollback_request[0].name == "step_000002"
+    t.stop()
+
+
+def test_a_pending_rollback_target_survives_the_prune_of_later_saves(own, tmp_path):
+    t = offline_trainer(own, tmp_path, save_interval=1000, keep_checkpoints=2)
+    t.step = 1
+    t.save()
+    pending = t.request_rollback(1)
+    for step in range(2, 6):  # each save prunes to the 2 newest, but never the pinned target
+        t.step = step
+        t.save()
+    kept = sorted(p.name for p in t.learner.checkpoints.glob("step_*"))
+    assert kept == ["step_000001", "step_000004", "step_000005"]
+    assert not pending.done()
+    t._control()  # the trainer thread's turn: it loads the pinned checkpoint
+    assert pending.result(timeout=1)["checkpoint_step"] == 1
     t.stop()
 
 

@@ -25,7 +25,7 @@ from aiohttp import web
 from rlproxy import paths
 from rlproxy.api.edge import json_response
 from rlproxy.appkeys import ENGINE, SETTINGS, TRAINER
-from rlproxy.paths import complete_checkpoints
+from rlproxy.paths import complete_checkpoints, kept_checkpoint
 from rlproxy.protocol import APIError, shown
 from rlproxy.records import JsonlWriter, read_jsonl
 
@@ -36,17 +36,25 @@ def checkpoint_dir(app: web.Application) -> Path:
     return app[SETTINGS].records.data_dir / paths.CHECKPOINTS
 
 
-def find_checkpoint(app: web.Application, raw: str) -> Path:
+def step_of(raw: str) -> int:
     if not re.fullmatch(r"[0-9]{1,9}", raw):  # not int(): it takes "²", " 1", "1_0"
         raise APIError(400, f"step must be an integer, not {shown(raw)}", param="step")
-    step = int(raw)
-    for path in complete_checkpoints(checkpoint_dir(app)):
-        if path.name == f"step_{step:06d}":
-            return path
+    return int(raw)
+
+
+def find_checkpoint(app: web.Application, raw: str) -> Path:
+    step = step_of(raw)
+    path = kept_checkpoint(checkpoint_dir(app), step)
+    if path is None:
+        raise not_kept(app, step)
+    return path
+
+
+def not_kept(app: web.Application, step: int) -> APIError:
     have = [p.name for p in complete_checkpoints(checkpoint_dir(app))]
-    raise APIError(404, f"no complete checkpoint for step {step} (kept: "
-                   f"{', '.join(have) or 'none'}; --keep-checkpoints keeps more)", param="step",
-                   code="checkpoint_not_found")
+    return APIError(404, f"no complete checkpoint for step {step} (kept: "
+                    f"{', '.join(have) or 'none'}; --keep-checkpoints keeps more)", param="step",
+                    code="checkpoint_not_found")
 
 
 async def wait_served(engine, version: int, timeout_s: float = 30.0) -> None:
@@ -58,16 +66,20 @@ async def wait_served(engine, version: int, timeout_s: float = 30.0) -> None:
 
 async def serve_adapter(request: web.Request) -> web.Response:
     app = request.app
-    path = find_checkpoint(app, request.match_info["step"])
     engine, trainer = app[ENGINE], app.get(TRAINER)
     if trainer is not None:
         if not trainer.alive:
             raise APIError(503, f"the trainer is not running: {trainer.error}",
                            type="server_error")
-        from rlproxy.training.control import RollbackSuperseded  # loaded where training is on
+        # loaded where training is on
+        from rlproxy.training.control import CheckpointGone, RollbackSuperseded
 
-        try:
-            line = await trainer_rollback(trainer, path)
+        step = step_of(request.match_info["step"])
+        path = checkpoint_dir(app) / f"step_{step:06d}"
+        try:  # the trainer finds and pins the checkpoint: no save prunes it before the load
+            line = await trainer_rollback(trainer, step)
+        except CheckpointGone:
+            raise not_kept(app, step) from None
         except RollbackSuperseded as e:  # a later request won: nothing to report here
             raise APIError(409, f"{e}; this request was not applied",
                            code="rollback_superseded") from None
@@ -76,6 +88,7 @@ async def serve_adapter(request: web.Request) -> web.Response:
         except Exception as e:  # e.g. a checkpoint of another LoRA layout: nothing changed
             raise unusable(path, e) from None
     else:
+        path = find_checkpoint(app, request.match_info["step"])
         try:
             line = publish_checkpoint(app, path)
         except Exception as e:
@@ -85,10 +98,10 @@ async def serve_adapter(request: web.Request) -> web.Response:
                           "served_version": int(engine.adapter_version)})
 
 
-async def trainer_rollback(trainer, path: Path) -> dict:
+async def trainer_rollback(trainer, step: int) -> dict:
     """The trainer's rollback line. Past the timeout a request the trainer has not taken is
     withdrawn (503: nothing changed); one it is applying is awaited (that takes moments)."""
-    future = trainer.request_rollback(path)
+    future = trainer.request_rollback(step)
     wrapped = asyncio.wrap_future(future)
     try:  # shield: a timeout must not cancel a rollback the trainer may be applying
         return await asyncio.wait_for(asyncio.shield(wrapped), ROLLBACK_TIMEOUT_S)

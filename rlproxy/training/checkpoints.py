@@ -21,10 +21,11 @@ from rlproxy.paths import ADAPTER_CONFIG, TRAINER_STATE, complete_checkpoints
 
 
 def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.array],
-                    optimizer_state, lora_config: dict, settings: dict, keep: int,
-                    extra: dict | None = None, protect: Path | None = None) -> Path:
-    """Write checkpoint STEP, then prune to the KEEP newest (never PROTECT: a rollback's
-    target stays, though older than the KEEP newest)."""
+                    optimizer_state, lora_config: dict, settings: dict,
+                    extra: dict | None = None) -> Path:
+    """Write checkpoint STEP atomically (a temporary folder renamed into place). Pruning is
+    `prune_checkpoints`, apart, so that the trainer can prune under the lock a rollback request
+    pins its target with."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -43,10 +44,15 @@ def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.a
         tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
-        if protect is None or old.name != Path(protect).name:
-            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def prune_checkpoints(root: Path, keep: int, protect: set[str]) -> None:
+    """Keep the KEEP newest complete checkpoints under ROOT, and every folder named in PROTECT
+    (a rollback's target, pending or done, stays though older than the KEEP newest)."""
+    for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
+        if old.name not in protect:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(root: Path) -> Path | None:

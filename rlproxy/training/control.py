@@ -29,8 +29,9 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
+from rlproxy.paths import kept_checkpoint
 from rlproxy.training import schedule
-from rlproxy.training.checkpoints import latest_checkpoint
+from rlproxy.training.checkpoints import latest_checkpoint, prune_checkpoints
 from rlproxy.training.gate import Verdict
 from rlproxy.training.items import item_choice, item_key
 from rlproxy.training.journal import SYSTEMIC_TURNS, lost_steps, outside_vocab, turn_length
@@ -41,6 +42,10 @@ log = logging.getLogger("rlproxy.trainer")
 
 class RollbackSuperseded(Exception):
     """A rollback request replaced by a later one before the trainer took it."""
+
+
+class CheckpointGone(LookupError):
+    """The checkpoint a rollback asked for is not kept (never saved, or pruned already)."""
 
 
 class Control:
@@ -159,11 +164,16 @@ class Control:
             self.gate.in_a_row = 0
         self.writer.write({"kind": "resume", "step": self.step, "time": time.time()})
 
-    def request_rollback(self, path: Path) -> Future:
-        """Ask the trainer thread to roll back to checkpoint PATH; a Future of its line."""
+    def request_rollback(self, step: int) -> Future:
+        """Ask the trainer thread to roll back to checkpoint STEP; a Future of its line. The
+        checkpoint is found and pinned here, under the lock `save` prunes under, so no save
+        between this request and the rollback removes it; CheckpointGone if it is not kept."""
         future: Future = Future()
         with self._lock:
-            earlier, self._rollback_request = self._rollback_request, (Path(path), future)
+            path = kept_checkpoint(self.learner.checkpoints, step)
+            if path is None:
+                raise CheckpointGone(step)
+            earlier, self._rollback_request = self._rollback_request, (path, future)
         if earlier is not None and not earlier[1].cancelled():  # not taken: this replaces it
             try:
                 earlier[1].set_exception(RollbackSuperseded(f"a rollback to {path} replaced it"))
@@ -196,6 +206,8 @@ class Control:
         checkpoint is overwritten, and a restart resumes from the rolled-back adapter."""
         try:  # before anything changes: the request is refused, training goes on
             state = self.learner.load_state(path)
+        except FileNotFoundError:  # removed by hand since the request pinned it
+            raise CheckpointGone(path.name) from None
         except LayoutMismatch as e:
             raise ValueError(f"another model or LoRA layout than this one ({e}); nothing was "
                              "changed") from None
@@ -279,7 +291,10 @@ class Control:
         metadata = {"baseline": [self.baseline, self.baseline_n]}
         if self.gate is not None:  # after a rollback: the served adapter, a newer step
             metadata["served_version"] = self.gate.served_version
-        path = self.learner.save_state(self.step, self.version, metadata, protect)
+        path = self.learner.save_state(self.step, self.version, metadata)
+        with self._lock:  # request_rollback pins its target under it: a pending one stays
+            pinned = {p.name for p in (protect, (self._rollback_request or (None,))[0]) if p}
+            prune_checkpoints(self.learner.checkpoints, self.t.keep_checkpoints, pinned)
         self._saved_step = self.step  # only now: a failed save is tried again at the next one
         if self.error and self.error.startswith("checkpoint save failed"):
             self.error = None

@@ -138,18 +138,16 @@ class LocalLearner:
 
     # ---- state: checkpoints and snapshots ----
 
-    def save_state(self, step: int, version: int, metadata: dict,
-                   protect: Path | None = None) -> Path:
+    def save_state(self, step: int, version: int, metadata: dict) -> Path:
         """Checkpoint STEP under `checkpoints`: the adapter (as adapter VERSION), the optimizer
         state, and trainer_state.json with the settings, METADATA (the loop's: its reward
-        baseline, the served version), the learning-rate scale and schedule. Never prunes
-        PROTECT."""
+        baseline, the served version), the learning-rate scale and schedule. The loop prunes
+        (it knows which checkpoints a rollback needs)."""
         extra = {**metadata, "lr_scale": self.lr_scale, "schedule": schedule.describe(self.t),
                  "entropy_coef": self.t.entropy_coef}
         return save_checkpoint(self.checkpoints, step, version, lora_weights(self.model),
                                self.optimizer.state, self.lora_config,
-                               self.settings.model_dump(mode="json"), self.t.keep_checkpoints,
-                               extra=extra, protect=protect)
+                               self.settings.model_dump(mode="json"), extra=extra)
 
     def load_state(self, path: Path) -> dict:
         """Load checkpoint PATH's adapter and optimizer state (the update count the schedule
