@@ -415,7 +415,7 @@ def measure_steps(loaded: LoadedModel, turns: list, prompt_ids: list[int], size:
     ppo, sft = statistics.median(ppo_s), statistics.median(sft_s)
     return {
         "loss_fn": t.loss_fn, "turns": len(examples),
-        "tokens_per_turn": [int(e["inputs"].shape[1]) for e in examples],
+        "tokens_per_turn": [len(e["ids"]) - 1 for e in examples],
         "completion_tokens": sum(e["tokens"] for e in examples),
         "lora": loaded.lora_config, "learning_rate": t.learning_rate, "grad_clip": t.grad_clip,
         "ppo_median_s": ppo, "sft_median_s": sft, "ratio": ppo / sft,
