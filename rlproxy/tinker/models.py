@@ -15,8 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import queue
-import shutil
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +31,7 @@ from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.serving.model import lora_weights, quantize_base, save_adapter
 from rlproxy.tinker.wire import UserError
 from rlproxy.training import losses
-from rlproxy.training.checkpoints import load_checkpoint
+from rlproxy.training.checkpoints import load_checkpoint, save_optimizer, written_whole
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
@@ -235,20 +233,12 @@ def optim_step(tm: TinkerModel, adam: dict) -> dict:
 
 def save(tm: TinkerModel, path: Path, with_optimizer: bool) -> Path:
     """Adapter in mlx-lm's format (+ optimizer state), written to a temp dir and renamed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
+    with written_whole(path) as tmp:
         save_adapter(tm.model, tm.lora_config, tmp)
         if with_optimizer:
-            flat = {k: v for k, v in tree_flatten(tm.optimizer.state) if isinstance(v, mx.array)}
-            mx.save_safetensors(str(tmp / "optimizer.safetensors"), flat)
+            save_optimizer(tmp, tm.optimizer.state)
         (tmp / TRAINER_STATE).write_text(json.dumps({"step": tm.steps, "adapter_version": tm.steps,
                                              "model_id": tm.model_id}))
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

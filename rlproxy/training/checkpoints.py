@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,30 +21,40 @@ from mlx.utils import tree_flatten, tree_unflatten
 from rlproxy.paths import ADAPTER_CONFIG, TRAINER_STATE, complete_checkpoints
 
 
-def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.array],
-                    optimizer_state, lora_config: dict, settings: dict,
-                    extra: dict | None = None) -> Path:
-    """Write checkpoint STEP atomically (a temporary folder renamed into place). Pruning is
-    `prune_checkpoints`, apart, so that the trainer can prune under the lock a rollback request
-    pins its target with."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
+@contextmanager
+def written_whole(final: Path):
+    """A temporary folder beside FINAL to write into, renamed to FINAL (replacing it) when the
+    block ends without an error; removed otherwise. A reader never sees half a checkpoint."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        mx.save_safetensors(str(tmp / "adapters.safetensors"), adapter)
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(lora_config, indent=2))
-        flat = {k: v for k, v in tree_flatten(optimizer_state) if isinstance(v, mx.array)}
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), flat)
-        (tmp / TRAINER_STATE).write_text(json.dumps(
-            {"step": step, "adapter_version": version, "settings": settings, **(extra or {})},
-            indent=2,
-            default=str))
+        yield tmp
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_optimizer(folder: Path, optimizer_state) -> None:
+    flat = {k: v for k, v in tree_flatten(optimizer_state) if isinstance(v, mx.array)}
+    mx.save_safetensors(str(folder / "optimizer.safetensors"), flat)
+
+
+def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.array],
+                    optimizer_state, lora_config: dict, settings: dict,
+                    extra: dict | None = None) -> Path:
+    """Write checkpoint STEP atomically (`written_whole`). Pruning is `prune_checkpoints`,
+    apart, so that the trainer can prune under the lock a rollback request pins its target
+    with."""
+    final = Path(root) / f"step_{step:06d}"
+    with written_whole(final) as tmp:
+        mx.save_safetensors(str(tmp / "adapters.safetensors"), adapter)
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(lora_config, indent=2))
+        save_optimizer(tmp, optimizer_state)
+        (tmp / TRAINER_STATE).write_text(json.dumps(
+            {"step": step, "adapter_version": version, "settings": settings, **(extra or {})},
+            indent=2, default=str))
     return final
 
 
