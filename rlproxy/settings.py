@@ -231,6 +231,9 @@ class TrainerSettings(Section):
     train_epochs: int = Field(1, ge=1, description="optimizer steps per batch")
     max_context_tokens: int = Field(
         40960, ge=16, description="longer turns are skipped (the memory estimate guards the rest)")
+    max_staleness: int | None = Field(
+        None, ge=0, description="a turn sampled more than N adapter versions before the one it "
+        "would train is skipped (default: none, every turn trains)")
     prompt_grad: Literal["full", "none"] = Field(
         "none", description="none: no gradient through the prompt's keys and values (exact "
         "log-probs, a step costs about one prefill); full: the exact gradient, ~3x slower")

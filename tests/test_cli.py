@@ -166,7 +166,7 @@ def other_value(name: str, info):
     if typing.get_origin(kind) is list:
         return ["pkg.mod:one", "pkg.mod:two"]  # valid for every list field, reward functions too
     if kind is int:
-        return default + 1
+        return (default or 0) + 1  # None (an optional count): any count
     if kind is float:
         return default / 2 if default else 0.5
     if kind is Path:

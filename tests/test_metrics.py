@@ -54,6 +54,7 @@ def test_metrics_parse_and_counters_move_with_requests(keyed):
                  "rlproxy_reward", "rlproxy_turns_scored", "rlproxy_turns_released",
                  "rlproxy_turns_waiting_judge", "rlproxy_adapter_version",
                  "rlproxy_adapter_swap_pause_seconds", "rlproxy_train_step_seconds",
+                 "rlproxy_train_staleness_versions",
                  "rlproxy_process_resident_memory_bytes"):
         assert name in families, name
     client = keyed.client(api_key=KEY)

@@ -68,12 +68,15 @@ GRAD_NORM = Gauge("rlproxy_train_grad_norm", "Gradient norm of the last step (be
                   registry=None)
 REWARD_MEAN = Gauge("rlproxy_train_reward_mean", "Mean reward of the last step's turns",
                     registry=None)
+STALENESS = Histogram("rlproxy_train_staleness_versions", "Adapter versions between the one "
+                      "that sampled a trained turn and the one it trained (0: on-policy)",
+                      buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=None)
 SWAP_PAUSE = Histogram("rlproxy_adapter_swap_pause_seconds", "Decoding paused to apply a new "
                        "adapter", buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025,
                                            .05, .1, .25), registry=None)
 OBSERVED = (REQUESTS, TURNS, PROMPT_TOKENS, CACHED_PROMPT_TOKENS, COMPLETION_TOKENS, TTFT, E2E,
             TPOT, JUDGE_CALLS, JUDGE_FAILURES, JUDGE_LATENCY, REWARD, STEP_TIME, LOSS, KL,
-            GRAD_NORM, REWARD_MEAN, SWAP_PAUSE)
+            GRAD_NORM, REWARD_MEAN, STALENESS, SWAP_PAUSE)
 
 
 # ---- observation points (one-line calls from the loop) ----
@@ -121,6 +124,10 @@ def observe_train_step(line: dict) -> None:
     GRAD_NORM.set(line["grad_norm"])
     if line.get("reward_mean") is not None:
         REWARD_MEAN.set(line["reward_mean"])
+    if line.get("epoch") == 0:  # each trained turn once, however many epochs
+        for late in line.get("staleness") or []:
+            if late is not None:
+                STALENESS.observe(late)
 
 
 def observe_swap(seconds: float, version: int) -> None:

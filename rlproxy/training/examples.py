@@ -17,11 +17,12 @@ ZERO_ADVANTAGE = 1e-6  # |A_t| at most this is rounding, not signal (float32 log
 
 
 def turn_example(turn: dict, advantages: list[float], reward, choice: int | None = None,
-                 key: str | None = None) -> dict | None:
+                 key: str | None = None, version: int | None = None) -> dict | None:
     """One choice of a turn (default: the one the conversation continued from) as a training
     example over ids = prompt + completion: position t predicts ids[t + 1], so the completion's
-    targets start at len(prompt) - 1. Its `uids` hold KEY (default: the turn's uid). None
-    without completion."""
+    targets start at len(prompt) - 1. Its `uids` hold KEY (default: the turn's uid), and its
+    `staleness` how many adapter versions the oldest one that sampled it is behind VERSION, the
+    one it trains (None: unknown). None without completion."""
     picked = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
     prompt, completion = turn["prompt_ids"], picked["completion_ids"]
     if not completion:
@@ -29,7 +30,16 @@ def turn_example(turn: dict, advantages: list[float], reward, choice: int | None
     pad = [0.0] * (len(prompt) - 1)
     return {"ids": prompt + completion, "old": pad + list(picked["logprobs"]),
             "adv": pad + list(advantages), "mask": pad + [1.0] * len(completion),
-            "uids": [key or turn["uid"]], "rewards": [reward], "tokens": len(completion)}
+            "uids": [key or turn["uid"]], "rewards": [reward], "tokens": len(completion),
+            "staleness": [staleness(picked, version)]}
+
+
+def staleness(choice: dict, version: int | None) -> int | None:
+    """Adapter versions from the oldest that sampled CHOICE to VERSION (0: on-policy)."""
+    sampled = choice.get("adapter_versions")
+    if version is None or not sampled:
+        return None
+    return max(0, version - min(sampled))
 
 
 def pack(examples: list[dict]) -> list[dict]:
@@ -45,12 +55,13 @@ def pack(examples: list[dict]) -> list[dict]:
         if host is None:
             out.append({**ex, "old": list(ex["old"]), "adv": list(ex["adv"]),
                         "mask": list(ex["mask"]), "uids": list(ex["uids"]),
-                        "rewards": list(ex["rewards"])})
+                        "rewards": list(ex["rewards"]), "staleness": list(ex["staleness"])})
             continue
         for key in ("old", "adv", "mask"):
             host[key][lo:n - 1] = ex[key][lo:]
         host["uids"] += ex["uids"]
         host["rewards"] += ex["rewards"]
+        host["staleness"] += ex["staleness"]
         host["tokens"] += ex["tokens"]
     return out
 

@@ -247,7 +247,7 @@ class Trainer(Control):
         """The item as a training example, or None (recorded as skipped, with the reason)."""
         key = item_key(scored)
         ex = turn_example(scored["turn"], scored["advantages"], scored["reward"],
-                          choice=item_choice(scored), key=key)
+                          choice=item_choice(scored), key=key, version=self.version)
         reason = self._skip_reason(ex)
         if reason is not None:
             with self._lock:
@@ -277,6 +277,10 @@ class Trainer(Control):
             return "no completion tokens"
         if len(ex["ids"]) > self.t.max_context_tokens:
             return f"{len(ex['ids'])} tokens > max_context_tokens {self.t.max_context_tokens}"
+        late, limit = ex["staleness"][0], self.t.max_staleness
+        if limit is not None and late is not None and late > limit:
+            return (f"sampled {late} adapter versions before v{self.version} > max_staleness "
+                    f"{limit}")
         return self.learner.too_big(ex)
 
     def train_batch(self, batch: list[dict], out: list[dict] | None = None) -> list[dict]:
@@ -350,6 +354,7 @@ class Trainer(Control):
             "previous_swap_pause_ms": pause,  # the engine applies this step's swap later
             "learning_rate": opt.learning_rate, "lr_scale": self.learner.lr_scale,
             "published": self.gate is None, "uids": [u for e in examples for u in e["uids"]],
+            "staleness": [s for e in examples for s in e["staleness"]],  # per uid
             "prompt_grad": self.t.prompt_grad, "units": units["units"],
             "max_unit_s": round(units["max_unit_s"], 4),
             "yielded_s": round(units["yielded_s"], 4), "time": round(time.time(), 3),
