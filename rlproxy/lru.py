@@ -1,8 +1,9 @@
 """One bounded LRU map: least recently used entries leave first, past a count or a byte budget.
 
 `LRU(max_items, max_bytes)`: `put(key, value, nbytes=0)` inserts or refreshes a key and evicts
-from the old end until both bounds hold (an entry alone over the byte budget stays); `get(key)` reads and
-refreshes; `peek(key)` reads without refreshing. A set is an LRU whose values are None (`add`).
+from the old end until both bounds hold (an entry alone over the byte budget stays); `assign`
+does the same but leaves an existing key where it is (as `d[key] = value` on an OrderedDict);
+`get(key)` reads and refreshes; `peek(key)` reads without refreshing. A set is an LRU whose values are None (`add`).
 Not thread-safe: the owner holds its own lock where threads share it.
 """
 
@@ -53,6 +54,15 @@ class LRU(Generic[K, V]):
             self.nbytes -= old[1]
         self._data[key] = (value, nbytes)
         self.nbytes += nbytes
+        self.trim()
+
+    def assign(self, key: K, value: V, nbytes: int = 0) -> None:
+        old = self._data.get(key)
+        if old is None:
+            self.put(key, value, nbytes)
+            return
+        self.nbytes += nbytes - old[1]
+        self._data[key] = (value, nbytes)  # an OrderedDict keeps an existing key's place
         self.trim()
 
     def add(self, key: K) -> None:

@@ -27,10 +27,14 @@ def complete_checkpoints(root: Path) -> list[Path]:
     root = Path(root)
     if not root.exists():
         return []
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and (p / TRAINER_STATE).exists())
+    return sorted(p for p in root.glob("step_*") if complete(p))
+
+
+def complete(checkpoint: Path) -> bool:
+    return checkpoint.is_dir() and (checkpoint / TRAINER_STATE).exists()
 
 
 def kept_checkpoint(root: Path, step: int) -> Path | None:
     """Checkpoint STEP under ROOT if it is complete now, else None."""
     path = Path(root) / f"step_{step:06d}"
-    return path if path.is_dir() and (path / TRAINER_STATE).exists() else None
+    return path if complete(path) else None

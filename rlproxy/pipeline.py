@@ -41,17 +41,29 @@ class Pipeline:
 
 def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine) -> Pipeline:
     judge, teacher, judges = make_judges(settings, engine)
-    trainer = make_trainer(settings, model, engine) if settings.trainer.train else None
-    # a released item goes to the trainer (a thread-safe submit)
-    scorer = Scorer(settings.scoring, settings.records.data_dir, judge, teacher, model.tokenizer,
-                    fsync=settings.records.fsync, baseline=settings.trainer.baseline,
-                    on_released=trainer.submit if trainer is not None else None)
-    # a finished main turn goes to the scorer; a closed session tells it no next state comes
-    store = SessionStore(settings.records.data_dir, settings.sessions.session_idle_timeout_s,
-                         fsync=settings.records.fsync, on_trainable=scorer.submit,
-                         on_closed=scorer.session_closed,
-                         max_open_sessions=settings.sessions.max_open_sessions,
-                         train_sessions_matching=settings.sessions.train_sessions_matching)
+    trainer = scorer = None
+    try:
+        trainer = make_trainer(settings, model, engine) if settings.trainer.train else None
+        # a released item goes to the trainer (a thread-safe submit)
+        scorer = Scorer(settings.scoring, settings.records.data_dir, judge, teacher,
+                        model.tokenizer, fsync=settings.records.fsync,
+                        baseline=settings.trainer.baseline,
+                        on_released=trainer.submit if trainer is not None else None)
+        # a finished main turn goes to the scorer; a closed session tells it no next state comes
+        store = SessionStore(settings.records.data_dir, settings.sessions.session_idle_timeout_s,
+                             fsync=settings.records.fsync, on_trainable=scorer.submit,
+                             on_closed=scorer.session_closed,
+                             max_open_sessions=settings.sessions.max_open_sessions,
+                             train_sessions_matching=settings.sessions.train_sessions_matching)
+    except BaseException:  # what was built closes its files and threads before the error goes up
+        if trainer is not None:
+            trainer.stop()
+        if scorer is not None:
+            scorer.close()
+        for backend in judges:
+            if isinstance(backend, LocalJudge):
+                backend.close()
+        raise
     return Pipeline(store, scorer, trainer, judges)
 
 
@@ -81,14 +93,18 @@ def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine) -> Tra
     ref = load_base_model(settings.model)[0] if settings.trainer.kl_coef > 0 else None
     trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref,
                       vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer)
-    trainer.resume()
-    # released before a restart but not trained yet: train them now (the trainer has read its
-    # journal: quarantined turns stay out, a crashed step's turns come back alone)
-    s = settings.scoring
-    for scored in released_turns(settings.records.data_dir, s.w_opd, s.w_rl,
-                                 skip=trainer.trained,
-                                 max_attempts=settings.trainer.max_step_attempts):
-        trainer.submit(scored)
+    try:
+        trainer.resume()
+        # released before a restart but not trained yet: train them now (the trainer has read
+        # its journal: quarantined turns stay out, a crashed step's turns come back alone)
+        s = settings.scoring
+        for scored in released_turns(settings.records.data_dir, s.w_opd, s.w_rl,
+                                     skip=trainer.trained,
+                                     max_attempts=settings.trainer.max_step_attempts):
+            trainer.submit(scored)
+    except BaseException:
+        trainer.stop()  # its journal and record writers
+        raise
     return trainer
 
 

@@ -66,6 +66,7 @@ async def wait_served(engine, version: int, timeout_s: float = 30.0) -> None:
 
 async def serve_adapter(request: web.Request) -> web.Response:
     app = request.app
+    path = find_checkpoint(app, request.match_info["step"])  # 400 or 404 first, as ever
     engine, trainer = app[ENGINE], app.get(TRAINER)
     if trainer is not None:
         if not trainer.alive:
@@ -75,8 +76,7 @@ async def serve_adapter(request: web.Request) -> web.Response:
         from rlproxy.training.control import CheckpointGone, RollbackSuperseded
 
         step = step_of(request.match_info["step"])
-        path = checkpoint_dir(app) / f"step_{step:06d}"
-        try:  # the trainer finds and pins the checkpoint: no save prunes it before the load
+        try:  # the trainer finds and pins it again: no save prunes it before the load
             line = await trainer_rollback(trainer, step)
         except CheckpointGone:
             raise not_kept(app, step) from None
@@ -88,7 +88,6 @@ async def serve_adapter(request: web.Request) -> web.Response:
         except Exception as e:  # e.g. a checkpoint of another LoRA layout: nothing changed
             raise unusable(path, e) from None
     else:
-        path = find_checkpoint(app, request.match_info["step"])
         try:
             line = publish_checkpoint(app, path)
         except Exception as e:

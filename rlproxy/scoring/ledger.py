@@ -96,7 +96,7 @@ class Ledger:
         released now if positive), rescored (released already: released again), or unknown
         (not scored, or forgotten)."""
         if uid in self.done:
-            self.done.put(uid, reward)
+            self.done.assign(uid, reward)
             return "rescored", [Release(uid, reward, "feedback")]
         sid = self.session_of.get(uid)
         if sid is None or uid not in self.tallies[sid].scored:
@@ -135,7 +135,7 @@ class Ledger:
     def restore_release(self, uid: str, reward: float | None) -> None:
         """A `release` line read back (its latest reward wins)."""
         if uid in self.done:
-            self.done.put(uid, reward)
+            self.done.assign(uid, reward)
             return
         sid = self.session_of.get(uid)
         if sid is None:
@@ -177,4 +177,4 @@ class Ledger:
         tally = self.tallies.pop(sid)
         for uid, (_, reward) in tally.scored.items():
             del self.session_of[uid]
-            self.done.put(uid, reward)
+            self.done.assign(uid, reward)

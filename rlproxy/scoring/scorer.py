@@ -155,9 +155,11 @@ class Scorer:
                     recent.put(uid, score)
             elif kind == "feedback":
                 feedback[uid] = (line["reward"], line.get("comment"))
+        self.feedback.max_items = None  # all of it, as written; the next one trims
         for uid, f in feedback.items():
             if uid not in scored:
-                self.feedback.put(uid, f)
+                self.feedback.assign(uid, f)
+        self.feedback.max_items = KEEP_FEEDBACK
         for record in read_jsonl(self.data_dir / paths.CONVERSATIONS):
             uid = record.get("uid")
             if record.get("trainable") and uid not in scored:
@@ -306,7 +308,7 @@ class Scorer:
             await self.writer.write_async(line)  # scored once this is on disk
         except Exception:
             if feedback:
-                self.feedback.put(uid, feedback)  # applied when the turn is scored again
+                self.feedback.assign(uid, feedback)  # applied when the turn is scored again
             raise
         self.held[uid] = (line, packed)
         self.summaries.put(uid, summary(line))
@@ -383,7 +385,7 @@ class Scorer:
         entry = self.held.get(uid) or self.recent.peek(uid)
         line = entry[0] if entry else self.summaries.peek(uid)
         if line is None or self.ledger.is_pending(uid):
-            self.feedback.put(uid, (reward, comment))
+            self.feedback.assign(uid, (reward, comment))
             return "pending"
         return self._apply_feedback(uid, line, reward)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -58,12 +59,21 @@ def save_checkpoint(root: Path, step: int, version: int, adapter: dict[str, mx.a
     return final
 
 
-def prune_checkpoints(root: Path, keep: int, protect: set[str]) -> None:
+def prune_checkpoints(root: Path, keep: int, protect: set[str]) -> list[Path]:
     """Keep the KEEP newest complete checkpoints under ROOT, and every folder named in PROTECT
-    (a rollback's target, pending or done, stays though older than the KEEP newest)."""
+    (a rollback's target, pending or done, stays though older than the KEEP newest). Each other
+    one is renamed out of the listing at once (quick, atomic) and returned for the caller to
+    delete, with what an earlier prune left behind (a process that died before deleting)."""
+    pruned = [p for p in Path(root).glob(".pruned-*") if p.is_dir()]
     for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
         if old.name not in protect:
-            shutil.rmtree(old, ignore_errors=True)
+            trash = old.with_name(f".pruned-{old.name}-{uuid.uuid4().hex[:8]}")
+            try:
+                old.rename(trash)
+            except OSError:  # as rmtree(ignore_errors=True) was: a prune never fails a save
+                continue
+            pruned.append(trash)
+    return pruned
 
 
 def latest_checkpoint(root: Path) -> Path | None:

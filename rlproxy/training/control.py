@@ -25,11 +25,12 @@ Not here: the loop, batches and steps (training/loop.py), the gate's measurement
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
-from rlproxy.paths import kept_checkpoint
+from rlproxy.paths import complete, kept_checkpoint
 from rlproxy.training import schedule
 from rlproxy.training.checkpoints import latest_checkpoint, prune_checkpoints
 from rlproxy.training.gate import Verdict
@@ -204,10 +205,10 @@ class Control:
         """Load checkpoint PATH's adapter and optimizer state, publish it as a NEW adapter
         version, and train on from it. It takes a step number of its own, saved at once: no
         checkpoint is overwritten, and a restart resumes from the rolled-back adapter."""
+        if not complete(path):  # removed by hand since the request pinned it
+            raise CheckpointGone(path.name)
         try:  # before anything changes: the request is refused, training goes on
             state = self.learner.load_state(path)
-        except FileNotFoundError:  # removed by hand since the request pinned it
-            raise CheckpointGone(path.name) from None
         except LayoutMismatch as e:
             raise ValueError(f"another model or LoRA layout than this one ({e}); nothing was "
                              "changed") from None
@@ -294,7 +295,9 @@ class Control:
         path = self.learner.save_state(self.step, self.version, metadata)
         with self._lock:  # request_rollback pins its target under it: a pending one stays
             pinned = {p.name for p in (protect, (self._rollback_request or (None,))[0]) if p}
-            prune_checkpoints(self.learner.checkpoints, self.t.keep_checkpoints, pinned)
+            pruned = prune_checkpoints(self.learner.checkpoints, self.t.keep_checkpoints, pinned)
+        for folder in pruned:  # out of the listing already: deleted without holding the lock
+            shutil.rmtree(folder, ignore_errors=True)
         self._saved_step = self.step  # only now: a failed save is tried again at the next one
         if self.error and self.error.startswith("checkpoint save failed"):
             self.error = None
