@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import shutil
 import signal
 import socket
@@ -53,7 +52,7 @@ from pathlib import Path
 from openai import OpenAI
 
 import agent_workload as work
-from common import environment, percentile, proc_memory_mb, report
+from common import environment, percentile, proc_memory_mb, report, spawn_server
 from rlproxy.records import read_jsonl
 
 TTFT_GOAL = 2.0  # TTFT with training on / off, p50 and p95, at most
@@ -89,14 +88,7 @@ class Server:
                "--reward-function", "bench_reward:reward", "--batch-size", str(args.batch_size),
                "--save-interval", "1000000", "--no-fsync", "--log-level", "WARNING",
                *([] if train else ["--no-train"]), *args.serve_arg]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(root), os.environ.get("PYTHONPATH", "")])}
-        limit = int(args.server_memory_gb * 2**30)
-        self.data_dir.mkdir(parents=True)
-        self.log = self.data_dir / "server.log"
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+        self.proc, self.log = spawn_server(cmd, root, self.data_dir, args.server_memory_gb)
         self.client = OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
                              timeout=args.request_timeout)
         self.train_batch = args.batch_size

@@ -12,6 +12,8 @@ import rlproxy  # noqa: I001  (first: preloads OpenBLAS before anything imports 
 import json
 import os
 import platform
+import resource
+import subprocess
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
@@ -94,3 +96,18 @@ def report(lines: list[str], result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def spawn_server(cmd: list[str], root: Path, data_dir: Path, memory_gb: float):
+    """`rlproxy serve` as a subprocess: ROOT on its PYTHONPATH (a reward module written there),
+    its output in DATA_DIR/server.log, its address space capped at MEMORY_GB (an OOM kills the
+    server, not the machine). (the process, the log's path)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), os.environ.get("PYTHONPATH", "")])}
+    limit = int(memory_gb * 2**30)
+    data_dir.mkdir(parents=True)
+    log = data_dir / "server.log"
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    return proc, log

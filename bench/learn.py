@@ -47,7 +47,6 @@ import json
 import math
 import os
 import random
-import resource
 import shutil
 import socket
 import subprocess
@@ -61,7 +60,7 @@ from pathlib import Path
 from statistics import mean, median, stdev
 
 import learn_task as task
-from common import environment, proc_memory_mb, report
+from common import environment, proc_memory_mb, report, spawn_server
 from learn_report import plot, point_line, summary_lines
 from rlproxy.records import read_jsonl
 
@@ -93,14 +92,8 @@ class Server:
                     "--learning-rate", str(args.lr), "--baseline", args.baseline,
                     "--save-interval", "1000000", "--no-fsync", "--log-level", "WARNING",
                     *SCORING[mode], *args.serve_arg]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(root), os.environ.get("PYTHONPATH", "")])}
-        limit = int(args.server_memory_gb * 2**30)
-        self.data_dir.mkdir(parents=True)
-        self.log = self.data_dir / "server.log"
-        self.proc = subprocess.Popen(
-            self.cmd, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+        self.proc, self.log = spawn_server(self.cmd, root, self.data_dir,
+                                           args.server_memory_gb)
         self.hwm_mb = 0.0  # the kernel's own peak (VmHWM), read while the process lives
         self.rss: list[tuple[float, float]] = []  # (s since start, MB)
         self.started = time.monotonic()
