@@ -126,6 +126,18 @@ def status_cmd(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def connect_cmd(args: argparse.Namespace) -> int:
+    from rlproxy.connect.command import connect_cmd as run
+
+    return run(args)
+
+
+def export_cmd(args: argparse.Namespace) -> int:
+    from rlproxy.training.export import export_cmd as run
+
+    return run(args)
+
+
 def demo_cmd(args: argparse.Namespace) -> int:
     from rlproxy.demo.run import run_demo
 
@@ -156,6 +168,30 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--from", dest="source", required=True, help="a server's --data-dir")
     add_serve_flags(tr)  # model, LoRA and trainer flags; --data-dir is where results go
     tr.set_defaults(func=train_cmd)
+    c = sub.add_parser("connect", help="point an agent at this server: write its own config "
+                       "(merged, backed up; --undo restores it)")
+    c.add_argument("agent", choices=("codex", "claude", "opencode", "openclaw", "hermes"))
+    c.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="the server (default: http://127.0.0.1:8000)")
+    c.add_argument("--model", help="model name the agent asks for (default: the served one)")
+    c.add_argument("--api-key", help="the server's --api-key (default: a placeholder)")
+    c.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
+    c.add_argument("--undo", action="store_true", help="restore the agent's config from the "
+                   "backup, byte for byte")
+    c.add_argument("--check", action="store_true", help="run one short turn through the agent "
+                   "and say where it landed")
+    c.set_defaults(func=connect_cmd)
+    e = sub.add_parser("export", help="write an adapter for other tools: PEFT (vLLM, peft), "
+                       "mlx-lm, a fused model or GGUF")
+    src = e.add_mutually_exclusive_group()
+    add_setting_flag(src, "data_dir", help="a server's --data-dir: export its newest (or "
+                     "--step) checkpoint (default: ~/.rlproxy)")
+    src.add_argument("--adapter", help="an adapter directory (mlx-lm or PEFT layout)")
+    e.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
+    e.add_argument("--format", required=True, choices=("peft", "mlx", "fused", "gguf"))
+    e.add_argument("--out", required=True, help="the folder to write")
+    add_setting_flag(e, "model")
+    e.set_defaults(func=export_cmd)
     d = sub.add_parser("demo", help="watch the proxy learn: a scripted agent, a verifiable "
                        "reward, PPO steps, a plot (SmolLM2 by default; --model tiny: no network)")
     d.add_argument("--steps", type=int, default=None,

@@ -75,6 +75,23 @@ class ServerSettings(Section):
     max_json_depth: int = Field(
         64, ge=8, le=200, description="deepest nesting of arrays/objects accepted in a JSON "
         "body (tool schemas, tool-call arguments); deeper is a 400")
+    header_timeout_s: float = Field(
+        15.0, gt=0, description="a connection that has not sent a whole request line and "
+        "headers within this many seconds is closed")
+    keepalive_timeout_s: float = Field(
+        60.0, gt=0, description="an idle keep-alive connection is closed after this many seconds")
+    max_connections: int | None = Field(
+        None, ge=1, description="open client connections at once; past it new ones are refused "
+        "(default: unset, 3/4 of the process's open-file limit)")
+    stall_timeout_s: float = Field(
+        30.0, gt=0, description="a streaming client that reads nothing for this many seconds is "
+        "cut off: its generation stops and its slot frees")
+    drain_timeout_s: float = Field(
+        20.0, ge=0, description="on SIGTERM/SIGINT, how long in-flight requests may finish "
+        "before streams are ended with an error event and waiting requests get 503")
+    hosted_tools: Literal["drop", "reject"] = Field(
+        "drop", description="hosted tools a client offers (Codex's web_search ...): drop leaves "
+        "them out of the prompt and says so in the response's tools; reject answers 400")
 
 
 class ModelSettings(Section):
@@ -95,6 +112,10 @@ class ModelSettings(Section):
     lora_keys: list[str] | None = Field(
         None, description="projection to adapt, e.g. self_attn.q_proj (repeat; default: every "
         "linear layer of each block, mlx-lm's default)")
+    context_length: int | None = Field(
+        None, ge=256, description="serve this context window: a RoPE model past its trained "
+        "window is extended with the scaling its architecture allows (quality is lower there) "
+        "(default: unset, the model's configured window)")
     quantize_bits: Literal[4, 8] | None = Field(
         None, description="QLoRA: quantize the frozen base to 4 or 8 bits, slower on CPU "
         "(default: unset, full precision)")
