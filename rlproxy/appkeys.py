@@ -7,6 +7,7 @@ these keys without importing what they are.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -37,3 +38,7 @@ METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")  # what GET /metr
 RECORD_INDEX: web.AppKey[RecordIndex] = web.AppKey("record_index")  # the dashboard's records
 ADMISSION: web.AppKey[Admission] = web.AppKey("admission")  # generation requests let in
 LIVE: web.AppKey[deque] = web.AppKey("live")  # the dashboard's recent rates (ops/ui/views.py)
+# Set when a SIGTERM/SIGINT drain runs out (--drain-timeout-s): every in-flight request ends
+# now, a stream with an error event in its API's shape (and [DONE] for Chat), a request still
+# waiting for its answer with 503 (api/server.py sets it; api/turns.py honours it)
+STOPPING: web.AppKey[asyncio.Event] = web.AppKey("stopping")
