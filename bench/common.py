@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 from aiohttp import web
 
-from rlproxy.api import edge
+from rlproxy.api import server
 from rlproxy.app import create_app
 from rlproxy.serving.blas import blas_in_use
 from rlproxy.serving.model import LoadedModel
@@ -67,7 +67,7 @@ async def start_server(settings: Settings,
                        loaded: LoadedModel | None) -> tuple[web.AppRunner, str]:
     """The real app on 127.0.0.1: (runner, base url). `loaded=None`: the app loads its own
     model. The caller owns `runner.cleanup()`, which stops the engine and judge threads."""
-    runner = edge.AppRunner(create_app(settings, loaded), access_log=None)
+    runner = server.AppRunner(create_app(settings, loaded), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)  # port 0: the OS picks a free one
     await site.start()

@@ -5,7 +5,7 @@ typed keys of appkeys.py: the model and the engine thread (`engine_context`, her
 path store -> scorer -> trainer (pipeline.py), and the stored Responses and the dashboard's
 record index. Everything else is a front door in api/ (one module per API dialect, each parsing
 its body at the edge and handing one internal request to api/turns.py), the Tinker API
-(tinker/), or the dashboard (ops/ui/). Serve the app with `edge.AppRunner` (or `edge.run_app`)
+(tinker/), or the dashboard (ops/ui/). Serve the app with `server.AppRunner` (or `server.run_app`, api/server.py)
 so aiohttp's own parse errors are JSON too.
 """
 

@@ -14,14 +14,14 @@ from rlproxy.settings import ModelSettings, load_settings
 
 
 def serve(args: argparse.Namespace) -> int:
-    from rlproxy.api import edge
+    from rlproxy.api import server
     from rlproxy.app import create_app
 
     settings = load_settings(flags_from(args), args.config)
     setup_logging(args.log_level, settings.server.log_format)  # flag > env > the TOML file
     app = create_app(settings)
-    # edge.run_app: aiohttp's own parse errors (bad headers, chunking ...) answered as JSON
-    edge.run_app(app, host=settings.server.host, port=settings.server.port,
+    # server.run_app: aiohttp's own parse errors (bad headers, chunking ...) answered as JSON
+    server.run_app(app, host=settings.server.host, port=settings.server.port,
                  print=lambda msg: print(msg, flush=True))
     return 0
 

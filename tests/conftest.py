@@ -18,7 +18,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from rlproxy.api import edge
+from rlproxy.api import server as api_server
 from rlproxy.app import create_app
 from rlproxy.serving.model import load_serving_model, save_adapter
 from rlproxy.settings import ModelSettings, load_settings
@@ -49,7 +49,7 @@ class AppThread:
 
     async def _start(self):
         self.app = self.make_app()
-        self.runner = edge.AppRunner(self.app, handler_cancellation=True)
+        self.runner = api_server.AppRunner(self.app, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()

@@ -1,5 +1,5 @@
 """Hostile input at the HTTP edge (issue 13), on the real server served as `rlproxy serve` serves
-it (edge.AppRunner, handler cancellation off).
+it (server.AppRunner, handler cancellation off).
 
 Two parts. The regression cases of issue 13, one test each: step indexes, deep nesting, broken
 gzip/deflate bodies, ids with a final newline, aiohttp's own low-level errors over a raw socket,
@@ -27,7 +27,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from conftest import ServerThread, make_settings
-from rlproxy.api import edge
+from rlproxy.api import edge, server
 
 B = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 TIMEOUT_S = 1.5  # the module server's --body-read-timeout-s
@@ -35,11 +35,11 @@ QUEUED = 2  # its --max-queued-requests
 
 
 class EdgeServer(ServerThread):
-    """The real app on edge.AppRunner, as edge.run_app serves it."""
+    """The real app on server.AppRunner, as server.run_app serves it."""
 
     async def _start(self):
         self.app = self.make_app()
-        self.runner = edge.AppRunner(self.app, access_log=None)
+        self.runner = server.AppRunner(self.app, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()

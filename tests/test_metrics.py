@@ -153,14 +153,14 @@ def test_json_log_lines_carry_session_turn_and_adapter_version(keyed):
 
 def test_log_format_json_in_the_config_file_is_applied(tmp_path):
     """`rlproxy serve --config` with [server] log_format = "json": the log lines are JSON (the
-    app is built for real; only edge.run_app (aiohttp's runner) is replaced by one log line)."""
+    app is built for real; only server.run_app (aiohttp's runner) is replaced by one log line)."""
     import os
     import subprocess
     import sys
 
     config = tmp_path / "rlproxy.toml"
     config.write_text(f'[server]\nlog_format = "json"\n\n[model]\nmodel = "tiny"\n\n[records]\ndata_dir = "{tmp_path}"\n')
-    code = ("import logging, rlproxy.api.edge as w\n"
+    code = ("import logging, rlproxy.api.server as w\n"
             "w.run_app = lambda app, **kw: logging.getLogger('rlproxy.t').warning('hello')\n"
             "from rlproxy.cli import main\n"
             f"main(['serve', '--config', {str(config)!r}])\n")
