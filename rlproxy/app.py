@@ -18,7 +18,7 @@ import time
 from aiohttp import web
 
 from rlproxy import paths
-from rlproxy.api import admin, edge, models, responses, sessions
+from rlproxy.api import admin, edge, hosted_tools, models, responses, sessions
 from rlproxy.api.chat import chat_completions
 from rlproxy.api.edge import json_response
 from rlproxy.api.feedback import feedback
@@ -27,6 +27,7 @@ from rlproxy.api.middlewares import auth_middleware, errors_middleware
 from rlproxy.api.response_store import response_store_context
 from rlproxy.appkeys import ADMISSION, ENGINE, METRICS, MODEL, SETTINGS, STARTED
 from rlproxy.kv.prefix_cache import open_prefix_cache
+from rlproxy.lru import LRU
 from rlproxy.ops import metrics
 from rlproxy.ops.health import health
 from rlproxy.ops.progress import phase
@@ -56,7 +57,7 @@ def engine_context(settings: Settings, loaded: LoadedModel | None):
         if settings.cache.prefix_cache:  # also MLX work (a weight digest): here too
             with phase("opened the prefix cache"):
                 prefix_cache = open_prefix_cache(settings.records.data_dir / paths.PREFIX_CACHE,
-                                                 settings.cache, model.model, model.model_id)
+                                                 settings.cache, model.model, model.kv_identity)
         engine = Engine(model.model, model.tokenizer.eos_token_ids,
                         max_batch=settings.engine.max_batch,
                         prefill_step_size=settings.engine.prefill_step_size,
@@ -85,6 +86,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.App
     app[SETTINGS] = settings
     app[STARTED] = time.time()
     app[ADMISSION] = edge.Admission(settings.server.max_queued_requests)
+    app[hosted_tools.WARNED] = LRU(hosted_tools.MAX_CLIENTS)
     app.cleanup_ctx.append(engine_context(settings, loaded))
     app.cleanup_ctx.append(pipeline_context(settings))  # store -> scorer -> trainer
     app.cleanup_ctx.append(response_store_context(settings))

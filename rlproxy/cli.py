@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -10,20 +11,33 @@ from pathlib import Path
 from rlproxy.flags import SETTINGS_SOURCES, add_serve_flags, add_setting_flag, flags_from
 from rlproxy.ops import progress
 from rlproxy.ops.logs import setup_logging
+from rlproxy.paths import DataDirInUse, lock_data_dir
 from rlproxy.settings import ModelSettings, load_settings
 
 
 def serve(args: argparse.Namespace) -> int:
-    from rlproxy.api import server
-    from rlproxy.app import create_app
-
     settings = load_settings(flags_from(args), args.config)
     setup_logging(args.log_level, settings.server.log_format)  # flag > env > the TOML file
-    app = create_app(settings)
-    # server.run_app: aiohttp's own parse errors (bad headers, chunking ...) answered as JSON
-    server.run_app(app, host=settings.server.host, port=settings.server.port,
-                 print=lambda msg: print(msg, flush=True))
+    # first: a second server on one data dir stops here, before it loads or writes anything
+    with data_dir_locked(settings.records.data_dir):
+        from rlproxy.api import server  # (before mlx_lm: it notes the open-file limit)
+        from rlproxy.app import create_app
+
+        app = create_app(settings)
+        # server.run_app: aiohttp's own parse errors (bad headers, chunking ...) answered as JSON
+        server.run_app(app, host=settings.server.host, port=settings.server.port,
+                       print=lambda msg: print(msg, flush=True))
     return 0
+
+
+@contextlib.contextmanager
+def data_dir_locked(data_dir: Path):
+    """Hold the data dir's lock (paths.lock_data_dir: one writer per folder) for the block."""
+    fd = lock_data_dir(data_dir)
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def short(text, limit: int = 80) -> str:
@@ -84,18 +98,23 @@ def fuse_cmd(args: argparse.Namespace) -> int:
 
 def train_cmd(args: argparse.Namespace) -> int:
     """Retrain from recorded turns and scores with the live trainer's code path."""
-    from rlproxy.lru import LRU
-    from rlproxy.serving.model import load_serving_model
-    from rlproxy.training.items import released_turns
-    from rlproxy.training.learner import training_copy
-    from rlproxy.training.loop import Trainer
-
     source = Path(args.source)
     flags = flags_from(args)
     # Never write into the live server's data dir by accident: default beside the source.
     flags["data_dir"] = flags.get("data_dir") or str(source / "offline-train")
     settings = load_settings(flags, args.config)
     setup_logging(args.log_level, settings.server.log_format)
+    with data_dir_locked(settings.records.data_dir):  # nor into one another process writes
+        return retrain(source, settings)
+
+
+def retrain(source: Path, settings) -> int:
+    from rlproxy.lru import LRU
+    from rlproxy.serving.model import load_serving_model
+    from rlproxy.training.items import released_turns
+    from rlproxy.training.learner import training_copy
+    from rlproxy.training.loop import Trainer
+
     with progress.phase("read the released turns"):
         turns = released_turns(source, settings.scoring.w_opd, settings.scoring.w_rl,
                                max_attempts=settings.trainer.max_step_attempts)
@@ -226,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                       or os.environ.get("RLPROXY_LOG_FORMAT") or "text")
     try:
         return args.func(args)
-    except ValueError as e:  # settings problems: say what to change, no traceback
+    except (ValueError, DataDirInUse) as e:  # settings problems, a busy data dir: say so
         print(f"rlproxy: {e}", file=sys.stderr)
         return 2
 

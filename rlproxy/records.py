@@ -14,9 +14,14 @@ sees whole lines, and the event loop never waits on the disk. Three ways to writ
 `flushed()` is a future done once every line queued so far is on disk (`all_written` joins
 those of several writers): a reply that acknowledges several lines waits on it.
 
-Lines of one writer reach the file in the order they were queued. The program never truncates or
-rewrites a record file. Readers still skip a final line without its newline (power loss can tear
-one); nothing else.
+Lines of one writer reach the file in the order they were queued. A write that fails (a full
+disk: ENOSPC, EIO) is cut back to the last whole line (`os.ftruncate` to the size before it), so
+no torn line is ever left between whole ones; its waiters get a `WriteFailed` naming the file,
+and `failing()` lists the files whose last write failed until one succeeds again (/healthz,
+/metrics). Apart from that the program never truncates or rewrites a record file. Readers skip a
+final line without its newline (power loss can tear one) and a line that does not parse, each
+with one WARNING naming the file and the byte offset; nothing else. `set_aside` renames a file or
+folder that cannot be read at start to `<name>.corrupt-<time>` (never deleted), with one WARNING.
 
 The pending-turn journal (`pending_turns.jsonl`) is the one internal file: turns whose response
 completed but whose next state is not known yet. It holds "turn" entries and "done" tombstones
@@ -26,9 +31,11 @@ and is compacted (rewritten to a temp file + renamed) only at start-up.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Iterator
@@ -38,6 +45,83 @@ import orjson
 log = logging.getLogger("rlproxy.records")
 
 SCHEMA_VERSION = 1
+DISK_FULL = (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
+# The one fault-injection seam (tests only): tests/test_hostile_disk.py replaces it with a write
+# that raises OSError(ENOSPC) where it cannot mount a small tmpfs.
+os_write = os.write
+
+
+class WriteFailed(OSError):
+    """Lines that could not be written; nothing of them is left in the file. `disk_full`: the
+    cause is space (ENOSPC, EIO, quota), not a bug: the API answers 507."""
+
+    def __init__(self, path: Path, cause: OSError):
+        self.path, self.cause = Path(path), cause
+        self.disk_full = cause.errno in DISK_FULL
+        what = "the disk is full or failing" if self.disk_full else "writing failed"
+        super().__init__(cause.errno, f"{what}: could not write {self.path} "
+                         f"({cause.strerror or cause}); nothing of it was kept")
+
+
+# path -> {"path", "error", "since", "errors"} of the files whose last write failed: process-wide
+# like the metrics (one server per process); /healthz and /metrics read it (`failing`).
+_failing: dict[str, dict] = {}
+_errors_total: dict[str, int] = {}  # path -> failed writes since start, for /metrics
+_worked: dict[int, float] = {}  # device -> when a write on it last worked (while any failed)
+_failing_lock = threading.Lock()
+FREE_AGAIN_BYTES = 2**20  # a file that ran out of space is fine again once this much is free
+
+
+def failing() -> list[dict]:
+    """The record files whose last write failed, oldest failure first. One that ran out of
+    space counts as fine again once its disk has FREE_AGAIN_BYTES free and a write to another
+    file on it has worked since (a rarely written file need not wait for its own next line)."""
+    with _failing_lock:
+        for key, e in list(_failing.items()):
+            if e["space"] and _worked.get(e["dev"], 0) > e["last"] and _free(key) >= \
+                    FREE_AGAIN_BYTES:
+                del _failing[key]
+        if not _failing:
+            _worked.clear()
+        return sorted(({k: v for k, v in e.items() if k not in ("dev", "space", "last")}
+                       for e in _failing.values()), key=lambda e: e["since"])
+
+
+def _free(path: str) -> int:
+    try:
+        st = os.statvfs(os.path.dirname(path))
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def write_errors() -> dict[str, int]:
+    """Failed writes per file since start (/metrics: rlproxy_disk_write_errors_total)."""
+    with _failing_lock:
+        return dict(_errors_total)
+
+
+def _note(path: Path, fd: int, error: OSError | None) -> None:
+    """Book one write's outcome (the writer thread, after each batch)."""
+    if error is None and not _failing:  # the usual case: nothing to clear, no fstat
+        return
+    key, now = str(path), time.time()
+    try:
+        dev = os.fstat(fd).st_dev
+    except OSError:
+        dev = -1
+    with _failing_lock:
+        if error is None:
+            _worked[dev] = now
+            if _failing.pop(key, None) is not None:
+                log.warning("writing %s works again", path)
+            return
+        _errors_total[key] = _errors_total.get(key, 0) + 1
+        entry = _failing.setdefault(key, {"path": key, "since": now, "errors": 0, "dev": dev})
+        entry["errors"] += 1
+        entry["error"] = error.strerror or str(error)
+        entry["space"] = error.errno in (errno.ENOSPC, errno.EDQUOT)
+        entry["last"] = now
 
 
 def dumps_line(record: dict) -> bytes:
@@ -138,22 +222,54 @@ class JsonlWriter:
                 self._inflight = []
 
     def _commit(self, data: bytes) -> OSError | None:
-        """One write of whole lines, then one fsync: the group commit."""
+        """One write of whole lines, then one fsync: the group commit. On a failure (a full
+        disk) the file is cut back to its size before, so no part of the batch stays."""
         if self._torn:
             data = b"\n" + data
         view = memoryview(data)
+        before = -1
         try:
-            while view:  # os.write may write less than asked (rare, for regular files)
-                view = view[os.write(self._fd, view):]
-            self._torn = False
+            before = os.fstat(self._fd).st_size  # O_APPEND: the batch starts here
+            while view:  # os.write may write less than asked (a disk filling up)
+                view = view[os_write(self._fd, view):]
             if self.fsync:
                 os.fsync(self._fd)
-        except OSError as e:  # e.g. a full disk: the waiters hear of it; the thread goes on
-            if len(view) < len(data):  # part of a line went out: the next batch starts afresh
-                self._torn = len(view) > 0
+        except OSError as e:  # the waiters hear of it; the thread goes on
+            self._cut_back(before)
             log.error("writing %s failed: %s", self.path, e)
-            return e
+            _note(self.path, self._fd, e)
+            return WriteFailed(self.path, e)
+        self._torn = False
+        _note(self.path, self._fd, None)
         return None
+
+    def _cut_back(self, size: int) -> None:
+        """Truncate to SIZE (the last whole line) after a failed write; if even that fails,
+        the next batch starts on a new line so that the torn one stays apart."""
+        try:
+            if size < 0:
+                raise OSError("the file's size before the write is unknown")
+            os.ftruncate(self._fd, size)
+        except OSError as e:
+            log.error("could not cut %s back to its last whole line (%s); the torn line "
+                      "stays, and readers skip it", self.path, e)
+            self._torn = True
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename PATH (a file or folder rlproxy could not read at start) to
+    `<name>.corrupt-<time>` beside it, never deleting it, with one WARNING naming it; the new
+    path."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+    os.replace(path, target)
+    log.warning("%s cannot be read (%s); set aside as %s", path, why, target.name)
+    return target
 
 
 def written() -> Future:
@@ -185,19 +301,36 @@ def all_written(*futures: Future) -> Future:
     return out
 
 
+_warned: set[tuple[str, int, int]] = set()  # (path, offset, length): each bad line warned once
+
+
 def read_jsonl(path: Path) -> Iterator[dict]:
-    """Every complete, parseable line; a torn or corrupt line is skipped, never fatal."""
+    """Every complete, parseable line; a torn or corrupt line is skipped, never fatal, with
+    one WARNING naming the file, the line and its byte offset."""
     path = Path(path)
     if not path.exists():
         return
+    offset = 0
     with open(path, "rb") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
+            at, offset = offset, offset + len(line)
             if not line.endswith(b"\n"):
+                _warn_once(path, at, line, f"its last line ({number}) is cut short "
+                           f"({len(line)} bytes without a newline: a write a crash or a full "
+                           "disk cut)")
                 return
             try:
                 yield orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
+            except orjson.JSONDecodeError as e:
+                if line.strip():
+                    _warn_once(path, at, line, f"line {number} is not JSON ({e})")
+
+
+def _warn_once(path: Path, at: int, line: bytes, what: str) -> None:
+    key = (str(path.resolve()), at, len(line))
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s: %s, at byte offset %d; skipped: %r", path, what, at, line[:80])
 
 
 def follow_jsonl(path: Path, poll_s: float = 0.5) -> Iterator[dict]:
@@ -226,11 +359,14 @@ def follow_jsonl(path: Path, poll_s: float = 0.5) -> Iterator[dict]:
 def load_pending(path: Path) -> list[dict]:
     """Turns journaled as pending and not yet tombstoned, in journal order."""
     pending: dict[str, dict] = {}
-    for entry in read_jsonl(path):
-        if entry.get("kind") == "turn":
-            pending[entry["uid"]] = entry
+    for number, entry in enumerate(read_jsonl(path), 1):
+        uid = entry.get("uid") if isinstance(entry, dict) else None
+        if not isinstance(uid, str):  # JSON, but not a journal entry: never fatal
+            log.warning("%s: entry %d has no uid; skipped: %.80r", path, number, entry)
+        elif entry.get("kind") == "turn":
+            pending[uid] = entry
         elif entry.get("kind") == "done":
-            pending.pop(entry["uid"], None)
+            pending.pop(uid, None)
     return list(pending.values())
 
 

@@ -81,8 +81,9 @@ class ServerSettings(Section):
     keepalive_timeout_s: float = Field(
         60.0, gt=0, description="an idle keep-alive connection is closed after this many seconds")
     max_connections: int | None = Field(
-        None, ge=1, description="open client connections at once; past it new ones are refused "
-        "(default: unset, 3/4 of the process's open-file limit)")
+        None, ge=1, description="open client connections at once; past it a new one closes the "
+        "oldest connection waiting for a request, or gets 503 if all are busy (default: unset, "
+        "3/4 of the process's open-file limit)")
     stall_timeout_s: float = Field(
         30.0, gt=0, description="a streaming client that reads nothing for this many seconds is "
         "cut off: its generation stops and its slot frees")
@@ -104,8 +105,8 @@ class ModelSettings(Section):
         "auto", description="a quantized GGUF model's weights: auto dequantizes to float32 on "
         "the CPU backend (several times faster there) and keeps them quantized on Metal")
     adapter: str | None = Field(
-        None, description="mlx-lm adapter directory to start from, e.g. a checkpoint step_* "
-        "(default: none, a fresh adapter)")
+        None, description="adapter directory to start from, mlx-lm's layout (e.g. a checkpoint "
+        "step_*) or Hugging Face PEFT's (default: none, a fresh adapter)")
     lora_rank: int = Field(8, ge=1, description="LoRA rank")
     lora_scale: float = Field(20.0, gt=0, description="LoRA scale (mlx-lm's alpha)")
     lora_layers: int = Field(-1, description="LoRA on the last N blocks; -1 means all")

@@ -165,8 +165,9 @@ def other_value(name: str, info):
         return next(c for c in typing.get_args(kind) if c != default)
     if typing.get_origin(kind) is list:
         return ["pkg.mod:one", "pkg.mod:two"]  # valid for every list field, reward functions too
-    if kind is int:
-        return (default or 0) + 1  # None (an optional count): any count
+    if kind is int:  # None (an optional count): any count its lower bound allows
+        low = max((m.ge for m in info.metadata if hasattr(m, "ge")), default=0)
+        return max(default or 0, low) + 1
     if kind is float:
         return default / 2 if default else 0.5
     if kind is Path:

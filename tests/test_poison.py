@@ -127,9 +127,12 @@ def test_a_turn_killed_in_its_step_twice_is_quarantined_and_the_server_serves(tm
     long_text = " ".join(rng.choice(COMMON) for _ in range(LONG_WORDS))
     procs = []
     try:
-        # 1. the long turn's first step: killed inside it
+        # 1. the long turn's first step, after a clean one (a death before any clean step
+        # charges no one: training/journal.py's crash blame): killed inside it
         proc, url = serve(data, tmp_path, log)
         procs.append(proc)
+        warm = chat(url, "warm-up", "A short question first.")
+        wait_until(lambda: warm in trained_uids(data), what="the warm-up step")
         long_uid = chat(url, "long", long_text)
         kill_inside(proc, data, wait_for_start(data, long_uid, attempt=1))
 
@@ -254,8 +257,10 @@ def test_the_turns_of_a_step_that_died_come_back_alone(own, tmp_path):
     dead = StepJournal(tmp_path)
     dead.start(["a", "b"], 40)  # ... and the process died: no end line
     dead.close()
-    trainer = Trainer(make_settings(tmp_path, train=True, batch_size=2), training_copy(own),
-                      own.lora_config, data_dir=tmp_path, vocab_size=own.vocab_size)
+    # baseline none: a and b train after c and d, whose rewards a mean baseline would cancel
+    trainer = Trainer(make_settings(tmp_path, train=True, batch_size=2, baseline="none"),
+                      training_copy(own), own.lora_config, data_dir=tmp_path,
+                      vocab_size=own.vocab_size)
     trainer.start()
     try:
         for uid in "abcd":
@@ -265,9 +270,11 @@ def test_the_turns_of_a_step_that_died_come_back_alone(own, tmp_path):
         trainer.stop()
     steps = [(ln["uids"], ln["attempt"]) for ln in journal(tmp_path)
              if ln["kind"] == "step_start"]
-    assert steps == [(["a", "b"], 1), (["a"], 2), (["b"], 2), (["c", "d"], 1)], steps
+    # died before any clean step: not charged; they wait for one (c, d), then come back alone
+    assert steps == [(["a", "b"], 1), (["c", "d"], 1), (["a"], 2), (["b"], 2)], steps
     assert journal(tmp_path)[1] | {"time": 0} == {
         "schema_version": 1, "kind": "step_end", "n": 1, "ok": False, "died": True,
+        "charged": False,
         "error": "the process died during this step (killed, out of memory or crashed)",
         "time": 0}
     assert trainer.alive is False and trainer.error is None

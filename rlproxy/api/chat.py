@@ -15,9 +15,8 @@ from aiohttp import web
 from rlproxy import protocol
 from rlproxy.api.edge import json_body, json_response
 from rlproxy.api.tags import parse_turn_tags
-from rlproxy.api.turns import Call, drain, open_sse, replay_kept, serve_turn
-from rlproxy.protocol import APIError
-from rlproxy.serving.completions import EngineFailure
+from rlproxy.api.turns import Call, drain, generation_error, open_sse, replay_kept, serve_turn
+from rlproxy.serving.completions import EngineFailure, Interrupted
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -68,6 +67,7 @@ async def stream_completion(call: Call):
     req, gen = call.req, call.gen
     resp = await open_sse(call.request, call.headers)
     cid, created = protocol.completion_id(), int(gen.started)
+    resp.on_disk_full = lambda err: resp.write(sse(err.body()) + b"data: [DONE]\n\n")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent: list[bytes] = []
 
@@ -99,8 +99,8 @@ async def stream_completion(call: Call):
                 await send([protocol.delta_choice(ev.index, {}, None, lp)])
             if ev.finish_reason is not None:
                 finishes.append(protocol.delta_choice(ev.index, {}, ev.finish_reason))
-    except EngineFailure as e:
-        err = APIError(500, f"generation failed: {e}", type="server_error")
+    except (EngineFailure, Interrupted) as e:  # an error chunk, as OpenAI ends a failed stream
+        err = generation_error(e)
         await resp.write(sse(err.body()) + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp, None

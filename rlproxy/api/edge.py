@@ -39,11 +39,13 @@ from rlproxy.appkeys import ADMISSION, SETTINGS
 from rlproxy.ops.logs import SESSION_ID, TURN_UID
 from rlproxy.ops.metrics import REQUESTS
 from rlproxy.protocol import APIError, load_json, validate
+from rlproxy.records import WriteFailed
 
 log = logging.getLogger("rlproxy.edge")
 
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 OFFLOAD_BYTES = 1 << 20  # decode larger bodies on a worker thread: the loop serves streams
+DISK_FULL_RETRY_S = 30  # space comes back when an operator frees it: not within a second
 RETRY_AFTER_S = 1  # a 4-token request takes well under a second; SDKs honour the header
 
 
@@ -52,6 +54,23 @@ RETRY_AFTER_S = 1  # a 4-token request takes well under a second; SDKs honour th
 def json_response(data, status: int = 200, headers=None) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
                         headers=headers)
+
+
+class StreamEnded(Exception):
+    """A streamed response that has already ended with its API's error event: the handler's
+    answer is that response (errors_middleware returns it)."""
+
+    def __init__(self, response: web.StreamResponse):
+        super().__init__("the stream ended with an error event")
+        self.response = response
+
+
+def disk_full_error(e: WriteFailed) -> APIError:
+    """A turn whose lines the disk refused: 507, naming the file (nothing of it was kept, so a
+    retry is safe)."""
+    return APIError(507, f"{e.strerror}. Free space on the data directory's disk and retry; the "
+                    "server resumes by itself.", type="server_error", code="insufficient_storage",
+                    headers={"Retry-After": str(DISK_FULL_RETRY_S)})
 
 
 def error_response(err: APIError, path: str) -> web.Response:

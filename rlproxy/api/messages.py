@@ -16,14 +16,16 @@ from contextlib import aclosing
 from aiohttp import web
 from multidict import CIMultiDict
 
+from rlproxy.api import hosted_tools
 from rlproxy.api import messages_output as out
 from rlproxy.api.edge import json_body, json_response, max_json_depth
-from rlproxy.api.messages_input import CountTokensRequest, MessagesRequest, to_chat_request
+from rlproxy.api.messages_input import CountTokensRequest, MessagesRequest, drop_server_tools, \
+    to_chat_request
 from rlproxy.api.tags import parse_turn_tags
-from rlproxy.api.turns import Call, drain, open_sse, replay_kept, serve_turn
+from rlproxy.api.turns import Call, drain, generation_error, open_sse, replay_kept, serve_turn
 from rlproxy.appkeys import MODEL
 from rlproxy.protocol import APIError
-from rlproxy.serving.completions import EngineFailure, build_prompt
+from rlproxy.serving.completions import EngineFailure, Interrupted, build_prompt
 
 PING_INTERVAL_S = 5.0  # a long prompt's prefill takes minutes here; keep the line alive
 
@@ -41,7 +43,10 @@ def session_headers(headers):
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
-    req = to_chat_request(await json_body(request, MessagesRequest), max_json_depth(request))
+    body = await json_body(request, MessagesRequest)
+    if hosted_tools.dropping(request):
+        hosted_tools.warn_dropped(request, body.session_id, drop_server_tools(body))
+    req = to_chat_request(body, max_json_depth(request))
     tags = parse_turn_tags(session_headers(request.headers), req)
     try:
         return await serve_turn(request, req, tags, "messages",
@@ -60,7 +65,8 @@ def in_anthropic_words(err: APIError) -> APIError:
     numbers = [int(n) for n in re.findall(r"\d+", err.message)]
     if err.param == "messages":  # "... length is {context} tokens ... resulted in {prompt} ..."
         context, prompt = numbers[:2]
-        message = f"prompt is too long: {prompt} tokens > {context} maximum"
+        message = (f"prompt is too long: {prompt} tokens > {context} maximum (or serve a "
+                   "longer window: rlproxy --context-length, RoPE scaling)")
     else:  # "... length is {context} ... requested {sum} tokens ({prompt} in the messages, {max})"
         context, _, prompt, max_tokens = numbers[:4]
         message = (f"input length and `max_tokens` exceed context limit: {prompt} + "
@@ -70,7 +76,10 @@ def in_anthropic_words(err: APIError) -> APIError:
 
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's length exactly as /v1/messages would template it."""
-    req = to_chat_request(await json_body(request, CountTokensRequest), max_json_depth(request))
+    body = await json_body(request, CountTokensRequest)
+    if hosted_tools.dropping(request):  # counted as /v1/messages would template it
+        drop_server_tools(body)
+    req = to_chat_request(body, max_json_depth(request))
     loop = asyncio.get_running_loop()
     prompt = await loop.run_in_executor(None, build_prompt, request.app[MODEL].tokenizer, req)
     return json_response({"input_tokens": len(prompt.ids)})
@@ -99,6 +108,7 @@ async def full_message(call: Call):
 async def stream_message(call: Call):
     resp = await open_sse(call.request, call.headers)
     mid, sent = out.message_id(), []
+    resp.on_disk_full = lambda err: resp.write(out.event("error", out.error_body(err)))
 
     async def send(payload: bytes) -> None:
         sent.append(payload)
@@ -116,9 +126,8 @@ async def stream_message(call: Call):
                 for kind, value in ev.deltas:
                     for name, data in blocks.add(kind, value):
                         await send(out.event(name, data))
-    except EngineFailure as e:
-        err = out.error_body(APIError(500, f"generation failed: {e}", type="server_error"))
-        await resp.write(out.event("error", err))
+    except (EngineFailure, Interrupted) as e:
+        await resp.write(out.event("error", out.error_body(generation_error(e))))
         await resp.write_eof()
         return resp, None
     for name, data in blocks.close():

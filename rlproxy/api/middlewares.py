@@ -2,9 +2,11 @@
 API key.
 
 `errors_middleware` turns every exception a handler raises into an answer: an `APIError` in its
-API's error shape, aiohttp's own HTTP errors (404, 405, 413) worded for agents, a client that
-went away as one INFO line (499), and a bug as a 500 in the same shape, after which the server
-keeps running. `auth_middleware` checks `--api-key` (Bearer, x-api-key, or the dashboard's
+API's error shape, aiohttp's own HTTP errors (404, 405, 413) worded for agents, a record that
+could not be written because the disk is full (records.py `WriteFailed`) as a 507 Insufficient
+Storage naming the file, with Retry-After (nothing of the turn was kept, so a retry is safe), a
+client that went away as one INFO line (499), and a bug as a 500 in the same shape, after which
+the server keeps running. `auth_middleware` checks `--api-key` (Bearer, x-api-key, or the dashboard's
 cookie) and keeps the dashboard's POST actions to its own pages.
 
 Not here: reading and admitting bodies, metrics (api/edge.py); the handlers.
@@ -18,10 +20,11 @@ import logging
 
 from aiohttp import web
 
-from rlproxy.api.edge import error_response
+from rlproxy.api.edge import StreamEnded, disk_full_error, error_response
 from rlproxy.appkeys import SETTINGS
 from rlproxy.ops.ui.views import COOKIE
 from rlproxy.protocol import APIError, clip
+from rlproxy.records import WriteFailed
 
 log = logging.getLogger("rlproxy.server")
 
@@ -40,6 +43,14 @@ async def errors_middleware(request: web.Request, handler):
         return error_response(http_error(request, e), request.path)
     except asyncio.CancelledError:
         raise
+    except StreamEnded as e:  # a stream that already said what went wrong in its own shape
+        log.error("%s %s: %s", request.method, request.path, e.__cause__ or e)
+        return e.response
+    except WriteFailed as e:
+        if not e.disk_full:
+            return internal_error(request)
+        log.error("%s %s: %s", request.method, request.path, e)
+        return error_response(disk_full_error(e), request.path)
     except ConnectionError as e:
         if request.transport is None or request.transport.is_closing():
             # The client went away (a dropped stream, a timeout on its side): normal, one line.

@@ -18,15 +18,15 @@ import secrets
 import orjson
 from aiohttp import web
 
-from rlproxy.api import response_store
+from rlproxy.api import hosted_tools, response_store
 from rlproxy.api.edge import json_body, json_response, max_json_depth
-from rlproxy.api.responses_input import ResponsesRequest, input_messages, to_chat_request, \
-    tool_namespaces
+from rlproxy.api.responses_input import ResponsesRequest, drop_hosted_tools, input_messages, \
+    to_chat_request, tool_namespaces
 from rlproxy.api.tags import parse_turn_tags
-from rlproxy.api.turns import Call, drain, open_sse, replay_kept, serve_turn
+from rlproxy.api.turns import Call, drain, generation_error, open_sse, replay_kept, serve_turn
 from rlproxy.appkeys import RESPONSES
 from rlproxy.protocol import APIError, shown
-from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure
+from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure, Interrupted
 
 
 def new_id(prefix: str) -> str:
@@ -35,6 +35,8 @@ def new_id(prefix: str) -> str:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     r = await json_body(request, ResponsesRequest)
+    if hosted_tools.dropping(request):  # before anything reads r.tools: the echo too
+        hosted_tools.warn_dropped(request, r.session_id, drop_hosted_tools(r))
     store = request.app[RESPONSES]
     prev = None
     if r.previous_response_id is not None:
@@ -264,6 +266,12 @@ async def stream_response(call: Call, r: ResponsesRequest, rid: str, conversatio
     resp = await open_sse(call.request, call.headers)
     events = EventWriter(resp, tool_namespaces(r.tools))
     created = int(call.gen.started)
+
+    async def failed(err: APIError) -> None:  # the turn was not kept (a full disk)
+        await events.send("response.failed", response=response_body(
+            r, rid, created, "failed", events.output,
+            error={"code": err.code or err.type, "message": err.message}))
+    resp.on_disk_full = failed
     await events.send("response.created",
                       response=response_body(r, rid, created, "in_progress", []))
     await events.send("response.in_progress",
@@ -271,9 +279,10 @@ async def stream_response(call: Call, r: ResponsesRequest, rid: str, conversatio
     try:
         async for ev in call.events():
             await events.add(ev)
-    except EngineFailure as e:
+    except (EngineFailure, Interrupted) as e:
         await events.close("incomplete")  # the item cut off gets its .done events first
-        error = {"code": "server_error", "message": f"generation failed: {e}"}
+        err = generation_error(e)
+        error = {"code": err.code or err.type, "message": err.message}
         await events.send("response.failed", response=response_body(
             r, rid, created, "failed", events.output, error=error))
         await resp.write_eof()

@@ -14,6 +14,15 @@ the response's bytes after `file_turn` wait for it (a streamed response through 
 response, a whole body in `serve_turn`), so no client hears of a turn a crash could lose, and
 the event loop never waits on the disk.
 
+Hostile and ending streams: every streamed byte goes through `SseResponse.write`, which gives
+up on a client that takes nothing for `--stall-timeout-s` (the connection is aborted, the
+generation cancelled, `client_stalled` logged); a choice whose reader falls
+`completions.MAX_BACKLOG` steps behind is stopped on the engine thread even sooner, so a
+stalled reader never holds a batch slot while it waits out the timeout. When a shutdown drain
+runs out (`app[STOPPING]`, api/server.py), `run_call` interrupts the generation: a stream ends
+with its dialect's error event, a whole response is a 503 with Retry-After. Either way the turn
+is not filed, as for any client that went away: only a turn whose response was complete is.
+
 Owns nothing about any dialect's shapes: a dialect passes in `write` (its response from a
 `Call`) and `replay` (a stored response sent again; `replay_kept` does it given the dialect's
 body-as-events). Parsing is the dialect's job too. What every dialect shows the same way lives
@@ -23,6 +32,8 @@ here: `parallel_tool_calls: false` keeps a choice's first tool call (`Call.event
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -30,20 +41,27 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from rlproxy.api.edge import json_response
-from rlproxy.appkeys import ENGINE, MODEL, SESSIONS, SETTINGS
+from rlproxy.api.edge import StreamEnded, disk_full_error, json_response
+from rlproxy.appkeys import ENGINE, MODEL, SESSIONS, SETTINGS, STOPPING
 from rlproxy.ops import metrics
 from rlproxy.ops.health import served_names
 from rlproxy.ops.logs import TURN_UID
-from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure, Generation, Prompt, \
-    build_prompt, sampling_params
+from rlproxy.serving.completions import MAX_BACKLOG, ChoiceEvent, ChoiceRecord, EngineFailure, \
+    Generation, Interrupted, Prompt, build_prompt, sampling_params
 from rlproxy.api.tags import TurnTags
 from rlproxy.protocol import APIError, ChatRequest
+from rlproxy.records import WriteFailed
 from rlproxy.serving.engine import SamplingParams
 from rlproxy.sessions.store import Placement, Session, Turn
 
 LOGPROB_DEFINITION = ("log_softmax(logits) at temperature 1, after logit_bias and penalties, "
                       "before temperature and top_p")
+log = logging.getLogger("rlproxy.turns")
+SHUTDOWN_RETRY_AFTER_S = 5  # a restarted server answers again within seconds
+# A stream's send buffers, kernel and asyncio: Linux grows a socket's to 4 MB (~27k chunks)
+# when the client does not read, which would hide a stall for minutes; 16 KiB still carries
+# an SSE stream's ~30 KB/s at a 500 ms round trip.
+SSE_SEND_BUFFER = 16 * 1024
 # the future of the request's filed turn (Call.file_turn): response bytes after it wait for it
 DURABLE = web.RequestKey("turn_durable", asyncio.Future)
 
@@ -113,7 +131,12 @@ class Call:
         self.turn = turn
         self.request[DURABLE] = self.durable
         self.headers["X-Turn-Uid"] = turn.uid
-        return asyncio.shield(self.durable)  # a writer cancelled while it waits: still filed
+        kept = asyncio.shield(self.durable)  # a writer cancelled while it waits: still filed
+        # a writer need not await it (the response waits for `durable`, and a failure surfaces
+        # there as a 507): no "Future exception was never retrieved"
+        kept.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self.durable.add_done_callback(lambda f: unacknowledged(f, turn))
+        return kept
 
     def kept_after_failure(self) -> dict | None:
         """What a repeat of a response that failed after its turn was filed gets: the body
@@ -124,6 +147,13 @@ class Call:
                 d.cancelled() or d.exception() is not None):
             return None
         return {"body": self.kept_body, "events": None}
+
+
+def unacknowledged(durable: asyncio.Future, turn: Turn) -> None:
+    """A turn whose line the disk refused was answered 507: the client will send it again, so
+    should it be recorded later (its next state arrives), it must not train twice."""
+    if not durable.cancelled() and durable.exception() is not None:
+        turn.no_train = "write_failed"
 
 
 def first_tool_call_only(ev: ChoiceEvent, parsed: list[dict], rec: ChoiceRecord) -> None:
@@ -213,13 +243,27 @@ async def make_call(request: web.Request, req: ChatRequest, tags: TurnTags, api:
 async def run_call(call: Call, write: Write) -> tuple[web.StreamResponse, object | None]:
     """Generate and write one turn (the dialect files it): the response, and what to keep for
     a repeat (None when it failed)."""
+    stopping = call.request.app.get(STOPPING)
+    watch = None
+    if stopping is not None:  # the shutdown drain ran out: end this request now
+        watch = asyncio.ensure_future(stopping.wait())
+        watch.add_done_callback(lambda f: f.cancelled() or call.gen.interrupt("shutdown"))
+    stalled = False
     try:
         resp, kept = await write(call)
         if call.durable is not None:  # a whole body goes out after this: on disk first
             await asyncio.shield(call.durable)
         return resp, kept
+    except ClientStalled:
+        stalled = True
+        raise
     finally:
+        if watch is not None:
+            watch.cancel()
         call.gen.cancel()  # no-op for finished choices; stops generation for a gone client
+        if stalled or call.gen.stalled:
+            log.info("client_stalled: a %s stream was not read; generation stopped after %d "
+                     "tokens, turn not recorded", call.api, call.gen.decoded)
         if call.turn is not None:
             TURN_UID.set(call.turn.uid)  # the request's later log lines name its turn
         metrics.observe_call(call)
@@ -234,9 +278,22 @@ async def drain(call: Call) -> list[ChoiceEvent]:
             transport = call.request.transport
             if transport is None or transport.is_closing():
                 raise ConnectionResetError("client went away")
-    except EngineFailure as e:
-        raise APIError(500, f"generation failed: {e}", type="server_error") from None
+    except (EngineFailure, Interrupted) as e:
+        raise generation_error(e) from None
     return events
+
+
+def generation_error(e: EngineFailure | Interrupted) -> APIError:
+    """What a generation that did not reach its end tells its client, in any dialect: the
+    body of a whole response, or a stream's error event."""
+    if isinstance(e, Interrupted) and e.reason == "shutdown":
+        return APIError(503, "the server is shutting down; retry the request",
+                        type="server_error", code="server_shutting_down",
+                        headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
+    if isinstance(e, Interrupted):
+        return APIError(408, f"the stream was not read: generation stopped when "
+                        f"{MAX_BACKLOG} tokens waited for the client", code="client_stalled")
+    return APIError(500, f"generation failed: {e}", type="server_error")
 
 
 async def replay_kept(request: web.Request, req: ChatRequest, kept: dict,
@@ -255,27 +312,60 @@ async def replay_kept(request: web.Request, req: ChatRequest, kept: dict,
     return resp
 
 
+class ClientStalled(ConnectionResetError):
+    """A streaming client took no bytes for --stall-timeout-s; its connection is aborted."""
+
+
 class SseResponse(web.StreamResponse):
     """A text/event-stream response whose bytes written after its request's turn was filed
     wait until the turn is on disk: the finish events, `[DONE]` and the end of the stream
-    never reach a client before a crash could no longer lose the turn."""
+    never reach a client before a crash could no longer lose the turn. A write the client
+    does not take within --stall-timeout-s aborts the connection (ClientStalled): aiohttp's
+    write waits for the socket to drain, with no limit of its own."""
 
     def __init__(self, request: web.Request, headers: dict[str, str]):
         super().__init__(headers=headers)
         self.for_request = request
+        self.stall_timeout_s = request.app[SETTINGS].server.stall_timeout_s
+        # the dialect's error event for a turn the disk refused (507 insufficient_storage):
+        # written instead of the stream's end, which would claim a turn that was not kept
+        self.on_disk_full: Callable[[APIError], Awaitable[None]] | None = None
+        self.disk_full: WriteFailed | None = None
+
+    async def _send(self, send, data) -> None:
+        try:
+            async with asyncio.timeout(self.stall_timeout_s):
+                await send(data)
+                if self._payload_writer is not None:  # aiohttp drains every 64 KiB only
+                    await self._payload_writer.drain()  # waits while over the high-water mark
+        except TimeoutError:
+            transport = self.for_request.transport
+            if transport is not None:
+                transport.abort()  # close() would wait for the unread bytes forever
+            raise ClientStalled(f"the client read nothing for {self.stall_timeout_s:g} s") \
+                from None
 
     async def _turn_on_disk(self) -> None:
         durable = self.for_request.get(DURABLE)
-        if durable is not None and not durable.done():
+        if durable is None or self.disk_full is not None:
+            return
+        try:
             await asyncio.shield(durable)
+        except WriteFailed as e:  # the turn was not kept: say so in the stream, then end it
+            if not e.disk_full or self.on_disk_full is None:
+                raise
+            self.disk_full = e
+            await self.on_disk_full(disk_full_error(e))
+            await self._send(super().write_eof, b"")
+            raise StreamEnded(self) from e
 
     async def write(self, data) -> None:
         await self._turn_on_disk()
-        await super().write(data)
+        await self._send(super().write, data)
 
     async def write_eof(self, data: bytes = b"") -> None:
         await self._turn_on_disk()
-        await super().write_eof(data)
+        await self._send(super().write_eof, data)
 
 
 async def open_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
@@ -284,4 +374,10 @@ async def open_sse(request: web.Request, headers: dict[str, str]) -> web.StreamR
                                  "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                  **headers})
     await resp.prepare(request)
+    transport = request.transport
+    if transport is not None:  # the client went away: the first write will say so
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SSE_SEND_BUFFER)
+        transport.set_write_buffer_limits(high=SSE_SEND_BUFFER)
     return resp

@@ -4,7 +4,9 @@ Owns the entries, the memory tier, a `diskcache` directory (`<data_dir>/prefix_c
 writer thread and its counters (`PrefixCacheStats`; `health()` is what /healthz shows). Does not
 own the model or the decode loop: serving/engine.py decides when to store, serving/prefill.py's
 loader thread looks up. How it works, with blobs.py (keys, hashes, bytes), index.py and
-lineage.py (`--kv-reuse-max-lag`), is told once, in kv/__init__.py.
+lineage.py (`--kv-reuse-max-lag`), is told once, in kv/__init__.py. A store that cannot be opened
+(a damaged cache.db) is only a cache: it is set aside as `prefix_cache.corrupt-<time>` and a new,
+empty one opened; a write the disk refuses is one WARNING, not kept.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import itertools
 import json
 import logging
 import queue
+import sqlite3
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +32,7 @@ from rlproxy.kv.blobs import (
 )
 from rlproxy.kv.index import BlockIndex
 from rlproxy.kv.lineage import Lineage
+from rlproxy.records import set_aside
 from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.settings import CacheSettings
 
@@ -87,14 +91,13 @@ class PrefixCache:
         self._pending: dict[int, tuple[str, int, np.ndarray, list]] = {}  # queued writes
         self._write_ids = itertools.count()
         self.stats = PrefixCacheStats()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._disk = diskcache.Cache(
-            str(self.directory), size_limit=self.disk_limit, cull_limit=0,  # we cull, after
-            eviction_policy="least-recently-used", disk_min_file_size=0,  # every entry a file
-            tag_index=True,  # evict(tag): a namespace's entries at once
-        )
-        self._disk_bytes = self._disk.volume()
-        self._scan()
+        try:
+            self._open()
+        except (sqlite3.Error, OSError) as e:  # only a cache: set aside, start empty
+            self._disk = None
+            set_aside(self.directory, f"{type(e).__name__}: {e}; the prefix cache starts "
+                      "empty")
+            self._open()
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="rlproxy-prefix-writer",
                                         daemon=True)
@@ -250,6 +253,9 @@ class PrefixCache:
                         self._lineage.save()
                     elif item[0] == "delete":
                         self._disk.delete(item[1])
+                except OSError as e:  # a full disk: not kept; it is only a cache
+                    log.warning("prefix cache write failed: %s", e)
+                    self._count(errors=1)
                 except Exception:
                     log.exception("prefix cache write failed")
                     self._count(errors=1)
@@ -336,6 +342,20 @@ class PrefixCache:
         for ns in {e.ns for e in old}:
             self._disk.evict(ns)
         self._disk_bytes = self._disk.volume()
+
+    def _open(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._disk = diskcache.Cache(
+            str(self.directory), size_limit=self.disk_limit, cull_limit=0,  # we cull, after
+            eviction_policy="least-recently-used", disk_min_file_size=0,  # every entry a file
+            tag_index=True,  # evict(tag): a namespace's entries at once
+        )
+        try:
+            self._disk_bytes = self._disk.volume()
+            self._scan()
+        except BaseException:
+            self._disk.close()
+            raise
 
     def _scan(self) -> None:
         for key in list(self._disk.iterkeys()):

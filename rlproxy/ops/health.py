@@ -4,6 +4,11 @@ reports about itself (its `health()`), and the status code that goes with it.
 Reads the app's objects by the keys in appkeys.py and imports none of them; the HTTP handler is
 app.py's. The object's keys and their order are a contract (`rlproxy status`, probes, tests):
 add, never rename.
+
+`status` is "ok", "degraded" (serving, but a record file's last write failed: a full disk;
+`disk.failing` names each file, and the status is ok again once a write to it succeeds; the
+answer stays 200, so that a liveness probe does not restart a server that only needs space), or
+"error" (503: the engine thread died).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import time
 
 from aiohttp import web
 
+from rlproxy import records
 from rlproxy.appkeys import (
     ADMISSION, ENGINE, MODEL, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER,
 )
@@ -29,8 +35,9 @@ def health(app: web.Application, blas: str) -> tuple[dict, int]:
     (serving/blas.py, read by the caller: ops/ imports no serving module)."""
     engine, model = app[ENGINE], app[MODEL]
     ok = engine.alive and engine.error is None
+    failing = records.failing()
     body = {
-        "status": "ok" if ok else "error",
+        "status": "error" if not ok else "degraded" if failing else "ok",
         "error": engine.error,
         "model": model.model_id,
         "model_source": {"path": model.source, "origin": model.origin},
@@ -45,6 +52,7 @@ def health(app: web.Application, blas: str) -> tuple[dict, int]:
         "scoring": app[SCORER].health(),
         "trainer": trainer_health(app),
         "uptime_s": round(time.time() - app[STARTED], 1),
+        "disk": {"failing": failing},
     }
     return body, 200 if ok else 503
 

@@ -10,8 +10,9 @@ counted by api/edge.py's `metrics_middleware` (`REQUESTS`). Those are process-wi
 server per process); each app's registry exposes them beside its own live collector.
 
 A leaf: imports no rlproxy module at run time but appkeys.py (by whose keys it reads the app's
-objects; it imports none of them) and ops/logs.py (the served adapter version its JSON lines
-carry), neither of which imports anything of rlproxy, so any component may call into it. Owns
+objects; it imports none of them), ops/logs.py (the served adapter version its JSON lines
+carry) and records.py (the failed writes per file, process-wide), none of which imports
+anything of rlproxy, so any component may call into it. Owns
 no state of the loop, and nothing here touches MLX.
 """
 
@@ -27,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from rlproxy import records
 from rlproxy.appkeys import ADMISSION, ENGINE, METRICS, MODEL, SCORER, SESSIONS, TRAINER
 from rlproxy.ops import logs
 
@@ -217,6 +219,14 @@ class LiveCollector:
                         t["queued"])
             yield gauge("rlproxy_training_paused", "1 while training is paused",
                         int(t["paused"]))
+        errors = CounterMetricFamily("rlproxy_disk_write_errors", "Record writes that failed "
+                                     "(a full disk), by file; nothing of them was kept",
+                                     labels=["path"])
+        for path, n in records.write_errors().items():
+            errors.add_metric([path], n)
+        yield errors
+        yield gauge("rlproxy_disk_write_failing", "Record files whose last write failed",
+                    len(records.failing()))
         rss = resident_bytes()
         if rss is not None:
             yield gauge("rlproxy_process_resident_memory_bytes", "Resident memory", rss)

@@ -14,14 +14,42 @@ at-least-one off every turn is released when scored.
 
 Bounded: a session's state lives until it closes; then only its uids are kept, in an LRU of
 `keep_done`, so a late duplicate is still recognised and late feedback still re-releases.
+
+`readable` sorts the records read back at start-up: a line of prm_scores.jsonl that is JSON but
+not a score, release or feedback line the ledger can take is skipped with a WARNING naming the
+file and line, so an odd line never stops the server (records.py skips lines that are not JSON).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
 
 from rlproxy.lru import LRU
 from rlproxy.scoring.judging import at_least_one
+
+
+log = logging.getLogger("rlproxy.scoring")
+# what each kind of line read back must carry (scorer.py reads these keys)
+NEEDS = {"score": ("uid", "session_id", "index", "reward", "final", "judge_reward",
+                   "function_reward", "feedback"),
+         "release": ("uid", "reward"), "feedback": ("uid", "reward")}
+
+
+def readable(lines: Iterable[dict], path: Path) -> Iterator[dict]:
+    """The lines of PATH (prm_scores.jsonl) the ledger can take back; each other one is
+    skipped with a WARNING naming the file and line."""
+    for number, line in enumerate(lines, 1):
+        needs = NEEDS.get(line.get("kind"), ()) if isinstance(line, dict) else None
+        if needs is None or any(k not in line for k in needs) or not isinstance(
+                line.get("uid", ""), str) or (line.get("kind") == "score"
+                                              and not isinstance(line["index"], int)):
+            log.warning("%s: entry %d is not a score, release or feedback line; skipped: "
+                        "%.120r", path, number, line)
+            continue
+        yield line
 
 
 @dataclass(frozen=True)

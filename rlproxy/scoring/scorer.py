@@ -35,10 +35,10 @@ import orjson
 from rlproxy import paths
 from rlproxy.lru import LRU
 from rlproxy.ops import metrics
-from rlproxy.records import JsonlWriter, read_jsonl
+from rlproxy.records import JsonlWriter, WriteFailed, read_jsonl
 from rlproxy.scoring import judging as scoring
 from rlproxy.scoring.judges import JudgeUnavailable
-from rlproxy.scoring.ledger import Ledger, Release
+from rlproxy.scoring.ledger import Ledger, Release, readable
 from rlproxy.scoring.rewards import RewardFunctions
 from rlproxy.serving.chat_template import render_prompt
 from rlproxy.settings import ScoringSettings
@@ -139,7 +139,8 @@ class Scorer:
         held: dict[str, dict] = {}  # uid -> score line, until its release line is read
         recent: LRU[str, dict] = LRU(self.keep_recent)  # released lately -> score line
         feedback: dict[str, tuple[float, str | None]] = {}
-        for line in read_jsonl(self.data_dir / paths.SCORES):
+        path = self.data_dir / paths.SCORES
+        for line in readable(read_jsonl(path), path):  # an odd line: skipped, with a WARNING
             uid, kind = line.get("uid"), line.get("kind")
             if kind == "score":
                 line.setdefault("chosen_choice", 0)
@@ -210,6 +211,9 @@ class Scorer:
         except JudgeUnavailable as e:
             self.stats.outages += 1
             log.warning("judge unavailable for turn %s (%s); it will be retried", record["uid"], e)
+            self.waiting.append(record)
+        except WriteFailed as e:  # a full disk: /healthz names the file; no traceback
+            log.warning("scoring turn %s not written (%s); it will be retried", record["uid"], e)
             self.waiting.append(record)
         except Exception:
             log.exception("scoring turn %s failed; it will be retried", record["uid"])

@@ -2,8 +2,9 @@
 
 Owns: a request's prompt (serving/chat_template.py renders it), token budgets, per-choice text assembly
 (streaming detokenization, stop strings, `<tool_call>` blocks turned into `tool_calls`,
-logprobs) and the exact token record of each choice. Does not own HTTP (app.py) or the model
-(serving/engine.py).
+logprobs), the exact token record of each choice, and delivery from the engine thread with a
+bounded backlog (`Generation`, MAX_BACKLOG: a reader that falls behind is stopped, not
+buffered). Does not own HTTP (app.py) or the model (serving/engine.py).
 
 Library parts: markers and stop strings are matched by mlx-lm's `TextStateMachine` (with
 transitions of our own; ChoiceText says why), tool calls are read by the model's mlx-lm tool
@@ -58,7 +59,8 @@ def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max
         raise APIError(
             400,
             f"This model's maximum context length is {context} tokens. However, your messages "
-            f"resulted in {prompt_len} tokens. Please reduce the length of the messages.",
+            f"resulted in {prompt_len} tokens. Please reduce the length of the messages "
+            "(or serve a longer window: rlproxy --context-length, RoPE scaling).",
             param="messages", code="context_length_exceeded",
         )
     if strict_max_tokens and req.max_tokens is not None and req.max_tokens > room:
@@ -307,6 +309,26 @@ class EngineFailure(Exception):
     pass
 
 
+class Interrupted(Exception):
+    """A generation ended from outside before its end: `reason` is "client_stalled" (its
+    reader fell MAX_BACKLOG steps behind) or "shutdown" (the server is stopping)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# Steps one choice may have decoded and not yet handed to its writer. A stream whose client
+# stops reading fills its socket's send buffers (~150 chunks with turns.SSE_SEND_BUFFER), then
+# its writer blocks and steps pile up here; past this many the engine stops decoding it, so a
+# stalled reader holds neither a batch slot nor memory (~0.5 KB a step) while it waits out
+# --stall-timeout-s. Streams that are read peaked at 2 queued steps (bench/stalled_clients.py,
+# 4 normal streams beside 16 stalled ones on 2 loaded cores); 128 still covers an event-loop
+# pause of 0.4 s at the tiny model's fastest single-sequence rate (~300 steps/s).
+MAX_BACKLOG = 128
+_STALLED = object()  # queued after a choice's last step when its reader fell behind
+
+
 @dataclass
 class ChoiceEvent:
     index: int
@@ -316,27 +338,61 @@ class ChoiceEvent:
 
 
 class Generation:
-    """One request's n choices running on the engine; iterate `events()` to consume them."""
+    """One request's n choices running on the engine; iterate `events()` to consume them.
+
+    The engine thread hands each step over with `_deliver`; the queue holds at most
+    MAX_BACKLOG + 1 steps per choice (a choice further behind is cancelled there, without a
+    round trip through the event loop, which may be the thing that is slow)."""
 
     def __init__(self, engine: Engine, tokenizer, prompt: Prompt, params: list[SamplingParams],
-                 req: ChatRequest, reasoning: bool = True):
+                 req: ChatRequest, reasoning: bool = True, max_backlog: int = MAX_BACKLOG):
         self.engine, self.tokenizer, self.prompt, self.req = engine, tokenizer, prompt, req
         self.queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         parse_tools = prompt.tools is not None
         markers = reasoning_markers(tokenizer) if reasoning else None
         opened = markers is not None and prompt_opens_reasoning(tokenizer, prompt.ids, markers)
         self.texts = [ChoiceText(tokenizer, req.stop, parse_tools, markers, opened, prompt.tools)
                       for _ in params]
+        # Each counter has one writer: produced/cut the engine thread, consumed the loop.
+        self.max_backlog = max_backlog
+        self._produced, self._consumed = [0] * len(params), [0] * len(params)
+        self._cut = [False] * len(params)
         self.jobs = []
         for i, p in enumerate(params):
-            deliver = (lambda i: lambda step: loop.call_soon_threadsafe(
-                self.queue.put_nowait, (i, step)))(i)
-            self.jobs.append(engine.submit(Job(prompt.ids, p, deliver)))
+            job = Job(prompt.ids, p, None)
+            job.deliver = functools.partial(self._deliver, i, job)
+            self.jobs.append(engine.submit(job))
         self.records = [ChoiceRecord(index=i, seed=j.params.seed) for i, j in enumerate(self.jobs)]
         self.started = time.time()
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
+
+    def _deliver(self, i: int, job: Job, step) -> None:
+        """On the engine thread: queue one step, or stop a choice whose reader fell behind."""
+        if self._cut[i]:
+            return  # decoded before the cancel reached the engine
+        self._produced[i] += 1
+        self._loop.call_soon_threadsafe(self.queue.put_nowait, (i, step))
+        if step.finish_reason is None and self._produced[i] - self._consumed[i] > \
+                self.max_backlog:
+            self._cut[i] = True
+            self.engine.cancel(job)
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, (i, _STALLED))
+
+    @property
+    def decoded(self) -> int:
+        """Steps the engine decoded for this request, read by its writer or not."""
+        return sum(self._produced)
+
+    @property
+    def stalled(self) -> bool:
+        """A choice was stopped because its reader fell behind."""
+        return any(self._cut)
+
+    def interrupt(self, reason: str) -> None:
+        """End `events()` now with Interrupted(reason) (on the event loop's thread)."""
+        self.queue.put_nowait((None, reason))
 
     def cancel(self) -> None:
         for job, rec in zip(self.jobs, self.records):
@@ -347,6 +403,13 @@ class Generation:
         remaining = len(self.jobs)
         while remaining:
             i, step = await self.queue.get()
+            if i is None:  # interrupt()
+                self.cancel()
+                raise Interrupted(step)
+            self._consumed[i] += 1
+            if step is _STALLED:
+                self.cancel()
+                raise Interrupted("client_stalled")
             rec, text = self.records[i], self.texts[i]
             if rec.finish_reason is not None:
                 continue  # tokens that were in flight after a stop string matched

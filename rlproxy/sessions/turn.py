@@ -42,7 +42,7 @@ class Turn:
     thread: str | None = None  # the thread of its session it belongs to (set by complete())
     side_rule: str | None = None  # why it is a side turn: header | probe | aside (sessions/threads.py)
     no_train: str | None = None  # why a main turn does not train: header (X-RL-Train: 0) |
-    # train_sessions_matching (its session id does not match)
+    # train_sessions_matching (its session id does not match) | write_failed (the client got 507)
 
     @property
     def trainable(self) -> bool:

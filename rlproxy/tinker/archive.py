@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import io
-import re
 import tarfile
 
 from aiohttp import web
 
 from rlproxy.api.edge import json_response
-from rlproxy.tinker.state import checkpoint_dir, state
+from rlproxy.tinker.state import KINDS, checkpoint_dir, run_name, state
 from rlproxy.tinker.wire import UserError
 
 
@@ -20,9 +19,12 @@ async def list_checkpoints(request):
     """GET training_runs/{model_id}/checkpoints: what this run saved, newest last."""
     st, model_id = state(request), request.match_info["model_id"]
     tm = st.models.get(model_id)
-    run = tm.run if tm else re.sub(r"[^A-Za-z0-9._-]", "_", model_id)
+    try:
+        run = tm.run if tm else run_name(model_id)
+    except UserError as e:
+        return json_response({"error": str(e), "category": "user"}, status=400)
     out = []
-    for kind in ("weights", "sampler_weights"):
+    for kind in KINDS:
         for p in sorted((st.root / run / kind).glob("*"), key=lambda p: p.stat().st_mtime):
             if (p / "adapters.safetensors").exists():
                 out.append({"checkpoint_id": f"{kind}/{p.name}", "checkpoint_type":
@@ -40,7 +42,7 @@ async def download_checkpoint(request):
                               request.match_info["name"])
     except UserError as e:
         return json_response({"error": str(e), "category": "user"}, status=400)
-    if request.match_info["kind"] not in ("weights", "sampler_weights") or not path.is_dir():
+    if not path.is_dir():
         return json_response({"error": "no such checkpoint", "category": "user"}, status=404)
 
     def pack() -> bytes:

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from rlproxy.paths import ADAPTER_CONFIG, TRAINER_STATE
 from rlproxy.serving.logprobs import sequence_logprobs, token_logprobs
 from rlproxy.serving.mlx_threads import mlx_thread
-from rlproxy.serving.model import lora_weights, quantize_base, save_adapter
+from rlproxy.serving.model import architecture, lora_weights, quantize_base, save_adapter
 from rlproxy.tinker.wire import UserError
 from rlproxy.training import losses
 from rlproxy.training.checkpoints import load_checkpoint, save_optimizer, written_whole
@@ -89,12 +89,11 @@ def lora_model(loaded, lora_config: dict, seed: int | None = None) -> nn.Module:
     """A model object over the serving model's base arrays with fresh LoRA layers of its own
     (lora_b = 0, so it starts equal to the base). Like training/learner.py's training_copy, but
     at any rank and without the serving adapter's values."""
-    import mlx_lm
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     if seed is not None:
         mx.random.seed(seed)
-    model, _ = mlx_lm.load(loaded.source, lazy=True)  # architecture only
+    model = architecture(loaded)  # weights never read; the serving model's RoPE scaling
     linear_to_lora_layers(model, lora_config["num_layers"], lora_config["lora_parameters"])
     quantize_base(model, loaded.quantize_bits)
     base = [(k, v) for k, v in tree_flatten(loaded.model.parameters())

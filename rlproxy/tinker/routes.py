@@ -4,14 +4,14 @@ Every training call answers {"request_id"} at once; its work runs on the Tinker 
 (models.py) and its outcome is fetched through `retrieve_future` (futures.py). A model's requests
 run in `seq_id` order (the SDK sends one forward_backward's chunks in parallel): a request that
 arrives early is held until those before it have started, or until GAP_S passes (a seq_id the
-client never sent). Bad input fails the request's future with category "user". Auth is the
-app's own middleware (any key unless --api-key is set).
+client never sent). Bad input fails the request's future with category "user"; a name that
+would become a path and is not a plain one (state.py's checked_name) is a 400 at once. Auth is
+the app's own middleware (any key unless --api-key is set).
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import uuid
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from rlproxy.tinker import models, wire
 from rlproxy.tinker.archive import download_checkpoint, list_checkpoints
 from rlproxy.tinker.sampling import Samplers, asample
 from rlproxy.tinker.state import (
-    TINKER, TinkerState, checkpoint_dir, parse_path, read_json, state,
+    TINKER, TinkerState, checked_name, checkpoint_dir, parse_path, read_json, run_name, state,
 )
 from rlproxy.tinker.wire import UserError
 
@@ -52,6 +52,32 @@ def start(st: TinkerState, fn, *args, then=None) -> tuple[str, asyncio.Future]:
                 st.futures.settle(rid, fut, error=e)
         cf.add_done_callback(lambda _: loop.call_soon_threadsafe(done, None))
     return rid, go
+
+
+def user_error(e: UserError) -> web.Response:
+    """A 400 in the Tinker API's error shape (the SDK raises it as a BadRequestError)."""
+    return json_response({"error": str(e), "category": "user"}, status=400)
+
+
+def rejected(st: TinkerState, body: dict, e: UserError) -> web.Response:
+    """user_error for a request in a model's seq_id order: its place counts as taken, so the
+    model's next request does not wait GAP_S for it."""
+    tm, seq = st.models.get(body.get("model_id")), body.get("seq_id")
+    if tm is not None and isinstance(seq, int) and seq >= tm.next_seq:
+        tm.held[seq] = lambda: None
+        release(tm)
+    return user_error(e)
+
+
+def new_model_id(body: dict) -> str:
+    """"SESSION:train:SEQ" for a create_model or load_weights body; its run folder (state.py's
+    run_name) comes from it, so the session id must be a plain name."""
+    seq = body.get("model_seq_id", 0)
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise UserError(f"model_seq_id must be a non-negative integer, not {seq!r}")
+    model_id = f"{checked_name('session_id', body.get('session_id'))}:train:{seq}"
+    run_name(model_id)  # its folder's name must be a plain one too (not too long)
+    return model_id
 
 
 def fail(st: TinkerState, message: str) -> str:
@@ -118,7 +144,10 @@ async def create_model(request):
     if base not in served_names(request.app):
         return json_response({"request_id": fail(st, f"unknown base_model {base!r}; this server "
                                                  f"trains {', '.join(served_names(request.app))}")})
-    model_id = f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"
+    try:
+        model_id = new_model_id(body)
+    except UserError as e:
+        return user_error(e)
     rid = create(st, model_id, int((body.get("lora_config") or {}).get("rank", 8)),
                  (body.get("lora_config") or {}).get("seed"))
     return json_response({"request_id": rid, "model_id": model_id})
@@ -130,7 +159,7 @@ def create(st: TinkerState, model_id: str, rank: int, seed, load_from=None) -> s
         return fail(st, f"this server already holds {len(st.models)} Tinker training models "
                     f"(--tinker-max-models {st.max_models}; about {each:.1f} MiB each); "
                     "finish a session or raise the limit")
-    run = re.sub(r"[^A-Za-z0-9._-]", "_", model_id)
+    run = run_name(model_id)
 
     def build():
         tm = models.new_model(st.loaded, model_id, run, rank, seed)
@@ -195,7 +224,7 @@ async def save_weights(request):
     try:
         path = checkpoint_dir(st, tm.run if tm else "-", "weights", body.get("path"))
     except UserError as e:
-        return json_response({"request_id": fail(st, str(e))})
+        return rejected(st, body, e)
     uri = f"tinker://{path.parent.parent.name}/weights/{path.name}"
     return sequenced(st, body.get("model_id"), body.get("seq_id"), models.save, path, True,
                      then=lambda _: {"path": uri, "type": "save_weights"})
@@ -211,7 +240,7 @@ async def save_for_sampler(request):
     try:
         path = checkpoint_dir(st, tm.run if tm else "-", "sampler_weights", name)
     except UserError as e:
-        return json_response({"request_id": fail(st, str(e))})
+        return rejected(st, body, e)
     uri = f"tinker://{path.parent.parent.name}/sampler_weights/{path.name}"
 
     def answer(_):
@@ -228,15 +257,18 @@ async def load_weights(request):
     st, body = state(request), await read_json(request)
     try:
         path = parse_path(st, body.get("path"))
+        model_id = body.get("model_id") or new_model_id(body)  # or create-via-load
+    except UserError as e:
+        return rejected(st, body, e)
+    try:
         rank = models.config_of(path)["lora_parameters"]["rank"]
-    except (UserError, OSError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError):
         return json_response({"request_id": fail(st, f"no saved weights at {body.get('path')!r}")})
     with_opt = bool(body.get("optimizer"))
     answer = {"path": body.get("path"), "type": "load_weights"}
     if body.get("model_id"):
-        return sequenced(st, body["model_id"], body.get("seq_id"), models.load, path, with_opt,
+        return sequenced(st, model_id, body.get("seq_id"), models.load, path, with_opt,
                          then=lambda _: answer)
-    model_id = f"{body.get('session_id')}:train:{body.get('model_seq_id', 0)}"  # create-via-load
     return json_response({"request_id": create(st, model_id, rank, None, (path, with_opt,
                                                                           body.get("path"))),
                           "model_id": model_id})
@@ -251,7 +283,7 @@ async def create_sampling_session(request):
         try:
             path = parse_path(st, body["model_path"])
         except UserError as e:
-            return json_response({"error": str(e), "category": "user"}, status=400)
+            return user_error(e)
         st.samplers.open(sid, path, body["model_path"])
     elif body.get("base_model") in served_names(request.app):
         st.samplers.open(sid, None, None)  # the proxy's live adapter

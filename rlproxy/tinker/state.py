@@ -1,6 +1,10 @@
 """What the Tinker API keeps between requests (the worker, models, samplers, futures), the
 app key it lives under, and the small helpers every handler shares: JSON in (JSON out is
 api/edge.py's `json_response`), and where a named checkpoint lives on disk. No handlers here.
+
+Every client string that becomes part of a path passes `checked_name` (and the path a
+containment check), so no name reaches the disk as '.', '..', a separator or a hidden folder:
+a save replaces its target folder, so a name that resolves elsewhere would delete that.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from rlproxy.tinker.models import Worker
 from rlproxy.tinker.sampling import Samplers
 from rlproxy.tinker.wire import UserError
 
-NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")  # fullmatch: "x\n" is not a name
+# fullmatch ("x\n" is not a name). No leading '.': not '.' or '..', nor the hidden temp
+# folder of a save in progress (training/checkpoints.py's written_whole), which a save replaces.
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+KINDS = ("weights", "sampler_weights")
 
 
 @dataclass
@@ -51,15 +58,34 @@ def state(request: web.Request) -> TinkerState:
     return request.app[TINKER]
 
 
-def checkpoint_dir(st: TinkerState, run: str, kind: str, name: str) -> Path:
-    if not NAME.fullmatch(name or ""):
-        raise UserError(f"checkpoint name {name!r} must be 1-128 letters, digits, '.', '_', '-'")
-    return st.root / run / kind / name
+def checked_name(what: str, name) -> str:
+    """NAME as one path component, or UserError saying what a name may be."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise UserError(f"{what} {name!r} must be 1-128 letters, digits, '.', '_' or '-', not "
+                        "starting with '.'")
+    return name
+
+
+def run_name(model_id: str) -> str:
+    """The folder a model's checkpoints go under: its id ("SESSION:train:N") with ':' as '_'."""
+    return checked_name("model id", re.sub(r"[^A-Za-z0-9._-]", "_", str(model_id)))
+
+
+def checkpoint_dir(st: TinkerState, run: str, kind: str, name) -> Path:
+    """<root>/RUN/KIND/NAME, or UserError for a name that is not one plain folder under it."""
+    checked_name("run", run)
+    checked_name("checkpoint name", name)
+    if kind not in KINDS:
+        raise UserError(f"checkpoint kind {kind!r} must be one of {', '.join(KINDS)}")
+    path = st.root / run / kind / name
+    if not path.resolve().is_relative_to((st.root / run / kind).resolve()):  # a symlink
+        raise UserError(f"checkpoint name {name!r} leads outside its run's folder")
+    return path
 
 
 def parse_path(st: TinkerState, path: str) -> Path:
-    m = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", path or "")
-    if not m or not NAME.fullmatch(m.group(1)):
+    m = re.fullmatch(r"tinker://([^/]+)/([^/]+)/([^/]+)", path if isinstance(path, str) else "")
+    if not m:
         raise UserError(f"{path!r} is not a tinker://RUN/weights/NAME or "
                         "tinker://RUN/sampler_weights/NAME path")
     return checkpoint_dir(st, m.group(1), m.group(2), m.group(3))

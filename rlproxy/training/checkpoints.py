@@ -5,6 +5,11 @@ A checkpoint is a directory `step_000123/` holding the adapter in mlx-lm's forma
 it), the optimizer state (`optimizer.safetensors`) and `trainer_state.json` (step, adapter version,
 settings). It is written into a temp directory and renamed, so a directory named `step_*` is
 always complete; `trainer_state.json` is written last and its presence is checked anyway.
+
+A file can still rot afterwards (a disk error, a hand edit). `read_checkpoint` reads the adapter
+strictly (UNREADABLE: the caller falls back to an older checkpoint) and, with `partial`, gives
+back None for an unreadable optimizer state or trainer_state.json, with why: the weights are
+worth resuming from with a fresh optimizer.
 """
 
 from __future__ import annotations
@@ -98,23 +103,59 @@ def layout_mismatch(current: dict[str, mx.array], adapter: dict[str, mx.array],
     return None
 
 
+# what reading a rotten checkpoint file raises (mx.load: RuntimeError, ValueError)
+UNREADABLE = (OSError, RuntimeError, ValueError, TypeError, KeyError)
+
+
 def load_checkpoint(path: Path) -> tuple[dict[str, mx.array], dict, dict]:
-    """(adapter weights, optimizer state tree, trainer state)."""
+    """(adapter weights, optimizer state tree, trainer state); UNREADABLE if any is not."""
+    adapter, optimizer, state, _ = read_checkpoint(path)
+    return adapter, optimizer, state
+
+
+def read_checkpoint(path: Path, partial: bool = False
+                    ) -> tuple[dict[str, mx.array], dict | None, dict | None, list[str]]:
+    """(adapter weights, optimizer state tree, trainer state, what could not be read). Raises
+    UNREADABLE for an unreadable adapter; so for the others too unless PARTIAL, where each
+    one that cannot be read is None and named in the list."""
     path = Path(path)
     adapter = mx.load(str(path / "adapters.safetensors"))
-    optimizer = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
-    return adapter, optimizer, json.loads((path / TRAINER_STATE).read_text())
+    mx.eval(adapter)
+    problems: list[str] = []
+    optimizer = state = None
+    try:
+        optimizer = tree_unflatten(list(mx.load(str(path / "optimizer.safetensors")).items()))
+        mx.eval(optimizer)
+    except UNREADABLE as e:
+        if not partial:
+            raise
+        problems.append(f"optimizer.safetensors: {type(e).__name__}: {e}")
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError("no step number in it")
+    except UNREADABLE as e:
+        if not partial:
+            raise
+        problems.append(f"{TRAINER_STATE}: {type(e).__name__}: {e}")
+        state = None
+    return adapter, optimizer, state, problems
 
 
-def fuse(model_source: str, adapter_dir: Path, out_dir: Path) -> Path:
-    """Merge the adapter into the base weights and save a plain model `mlx_lm.load` opens."""
+def fuse(model_source: str, adapter_dir: Path, out_dir: Path, dequantize: bool = False) -> Path:
+    """Merge the adapter into the base weights and save a plain model `mlx_lm.load` opens.
+    DEQUANTIZE: every weight in full precision (GGUF export needs it), as `mlx_lm.fuse`'s."""
     import mlx_lm
-    from mlx_lm.utils import save
+    from mlx_lm.utils import dequantize_model, save
 
     model, tokenizer, config = mlx_lm.load(model_source, adapter_path=str(adapter_dir),
                                            return_config=True)
-    fused = [(name, module.fuse()) for name, module in model.named_modules()
+    fused = [(name, module.fuse(dequantize=dequantize)) for name, module in model.named_modules()
              if hasattr(module, "fuse")]
     model.update_modules(tree_unflatten(fused))
+    if dequantize:
+        model = dequantize_model(model)
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
     save(Path(out_dir), model_source, model, tokenizer, config)
     return Path(out_dir)

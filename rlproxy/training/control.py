@@ -24,21 +24,31 @@ Not here: the loop, batches and steps (training/loop.py), the gate's measurement
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 
-from rlproxy.paths import complete, kept_checkpoint
+from rlproxy.paths import TRAINING, complete, complete_checkpoints, kept_checkpoint
+from rlproxy.records import WriteFailed, read_jsonl, set_aside
 from rlproxy.training import schedule
-from rlproxy.training.checkpoints import latest_checkpoint, prune_checkpoints
+from rlproxy.training.checkpoints import UNREADABLE, prune_checkpoints
 from rlproxy.training.gate import Verdict
 from rlproxy.training.items import item_choice, item_key
 from rlproxy.training.journal import SYSTEMIC_TURNS, lost_steps, outside_vocab, turn_length
 from rlproxy.training.learner import LayoutMismatch
 
 log = logging.getLogger("rlproxy.trainer")
+
+
+def version_of_step(data_dir: Path, step: int) -> int:
+    """The adapter version training.jsonl gives step STEP (its last line for it), else STEP:
+    for a checkpoint whose trainer_state.json was lost."""
+    versions = [ln.get("adapter_version") for ln in read_jsonl(Path(data_dir) / TRAINING)
+                if ln.get("kind") in ("step", "rollback") and ln.get("step") == step]
+    return versions[-1] if versions and isinstance(versions[-1], int) else step
 
 
 class RollbackSuperseded(Exception):
@@ -83,6 +93,10 @@ class Control:
                 self.stats.errors_after_update += 1
                 self.error = f"after step {self.step}: {error}"
                 return lines
+            if isinstance(e, WriteFailed):  # a full disk is not the turns' fault: no charge
+                with contextlib.suppress(WriteFailed):
+                    journal.end(*journal.open, error, charge=False)
+                raise  # the loop waits for space (loop.py _train_or_wait_for_disk)
             log.exception("training step over turns %s failed", ", ".join(uids))
             if len(batch) == 1 and journal.systemic(uids, type(e).__name__):
                 journal.end(*journal.open, error, charge=False)
@@ -232,20 +246,39 @@ class Control:
     # ---- state across restarts and rollbacks ----
 
     def resume(self) -> Path | None:
-        """Load the newest complete checkpoint (with `resume` on) and publish its adapter; the
-        turns of the steps after it are trained again. Its path, or None."""
-        path = latest_checkpoint(self.learner.checkpoints) if self.t.resume else None
-        if path is None:
-            if self.t.resume:
-                self._forget_lost_steps(0)
+        """Load the newest checkpoint that can be read (with `resume` on) and publish its
+        adapter; the turns of the steps after it are trained again. Its path, or None.
+
+        One whose adapter cannot be read is set aside (`<name>.corrupt-<time>`) and the next
+        older one tried. One whose optimizer state or trainer_state.json cannot be read
+        resumes from its weights with a fresh optimizer: set aside, then saved again whole."""
+        if not self.t.resume:
             return None
-        try:
-            state = self.learner.load_state(path)
-        except LayoutMismatch:
+        path, state, problems, mismatched = None, None, [], []
+        for candidate in reversed(complete_checkpoints(self.learner.checkpoints)):
+            try:
+                state, problems = self.learner.resume_state(candidate)
+            except LayoutMismatch as e:
+                mismatched.append((candidate, e))
+                continue
+            except UNREADABLE as e:
+                set_aside(candidate, f"its adapter: {type(e).__name__}: {e}")
+                continue
+            path = candidate
+            break
+        if mismatched and path is None:
             raise ValueError(
-                f"the newest checkpoint, {path}, holds an adapter for another model or LoRA "
-                "layout than this one (--model, --lora-rank, --lora-layers, --lora-keys); "
-                "use another --data-dir, or move its checkpoints/ folder away") from None
+                f"the newest checkpoint, {mismatched[0][0]}, holds an adapter for another model "
+                "or LoRA layout than this one (--model, --lora-rank, --lora-layers, "
+                "--lora-keys); use another --data-dir, or move its checkpoints/ folder away")
+        for bad, e in mismatched:  # newer than an intact one of this layout: rotten
+            set_aside(bad, f"its adapter does not fit this model ({e})")
+        if path is None:
+            self._forget_lost_steps(0)
+            return None
+        if state is None:  # the weights, without their trainer_state.json
+            step = int(path.name[5:])
+            state = {"step": step, "adapter_version": version_of_step(self.data_dir, step)}
         self._forget_lost_steps(state["step"])
         self.baseline, self.baseline_n = state.get("baseline", [0.0, 0])
         self.step, self.version = state["step"], state["adapter_version"]
@@ -258,6 +291,11 @@ class Control:
         # a gate rollback's checkpoint holds the served adapter under a newer step's version
         served = state.get("served_version", self.version)
         self.publish(served)
+        if problems:
+            log.warning("checkpoint %s: %s; resumed from its weights with a fresh optimizer "
+                        "(its moments and update count start over)", path, "; ".join(problems))
+            set_aside(path, "; ".join(problems))
+            self.try_save()  # the same step again, whole
         log.info("resumed from %s (step %d, adapter version %d)", path, self.step, served)
         return path
 

@@ -5,15 +5,26 @@ the items' keys, `item_key`: a turn's uid, or uid/i for another of its choices),
 after it `{"kind": "step_end", "n", "ok", "error"}`; both are on disk (fsync'ed, like every record
 line unless --no-fsync) before the trainer goes on, so a start without an end means the process
 died inside that step (killed, out of memory, crashed). The next start-up finds it and ends it
-with `"died": true`. Each failed step costs every turn in it one attempt; a turn that reaches
+with `"died": true`. A step that raised costs each of its turns one attempt; a turn that reaches
 `max_attempts` gets one `{"kind": "quarantined", "uid", "reason"}` line and is never trained
-again: a poison turn costs at most `max_attempts` crashes, never a crash loop.
+again: a poison turn costs at most `max_attempts` failures, never a crash loop.
+
+Crash blame. A death is not always the step's fault: an operator restarting the server, a
+deploy, the OOM killer taking the biggest process. So a death charges the step's turns only when
+the step ran in a *proven* process: one that had already ended a step cleanly, or had run
+CLEAN_RUN_S seconds (`proven` in its step_start line). A death in an unproven process makes its
+turns *suspects*, uncharged. The trainer keeps suspects out of its batches until the process is
+proven (it trains other turns first; with nothing else to train it waits out CLEAN_RUN_S), then
+retries each alone. So kills shortly after each restart charge no one, while a turn that kills
+every process that trains it dies in a proven one from its second try on, and is quarantined
+after at most `max_attempts` + 1 deaths.
 
 Only the turns' compute (examples, forward and backward) is charged: the step ends ok as soon as
 the optimizer update is applied, so a failure after it (a checkpoint save on a full disk, a
 later epoch) is logged and surfaced, never retrained. When SYSTEMIC_TURNS different turns fail
 in a row with one error type the cause is not the turns: training pauses with an error instead
-of quarantining them all.
+of quarantining them all. A journal line that cannot be read is skipped with a WARNING naming the
+file and line.
 
 This module keeps the books, finds the steps a kill lost since a checkpoint (`lost_steps`), and
 has two checks on a turn record (`outside_vocab`: ids that would crash MLX rather than raise;
@@ -26,6 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlproxy.paths import JOURNAL, TRAINING
@@ -34,6 +46,9 @@ from rlproxy.records import JsonlWriter, read_jsonl
 log = logging.getLogger("rlproxy.trainer")
 SYSTEMIC_TURNS = 3  # different turns failing in a row with one error type: the cause is not them
 DIED = "the process died during this step (killed, out of memory or crashed)"
+# a process up this long counts as proven without a clean step: a restart loop kills sooner
+CLEAN_RUN_S = 60.0
+_warned: set[tuple[str, int]] = set()  # (journal, entry) read back that was not a journal line
 
 
 def item_key(item: dict) -> str:
@@ -48,34 +63,64 @@ def item_choice(item: dict) -> int:
     return item["turn"].get("chosen_choice", 0) if choice is None else choice
 
 
-def read_journal(data_dir: Path) -> tuple[Counter, dict[str, str], dict[int, dict], int]:
-    """(failed attempts per uid, quarantined uid -> reason, steps started and never ended,
-    highest step number) from DATA_DIR's journal. Steps that never ended are not counted yet."""
-    failures: Counter = Counter()
-    quarantined: dict[str, str] = {}
-    open_steps: dict[int, dict] = {}
-    last = 0
-    for line in read_jsonl(Path(data_dir) / JOURNAL):
-        kind = line.get("kind")
-        if kind == "step_start":
-            open_steps[line["n"]] = line
-            last = max(last, line["n"])
-        elif kind == "step_end":
-            start = open_steps.pop(line["n"], None)
-            if start is not None and not line["ok"]:
-                failures.update(start["uids"])
-        elif kind == "quarantined":
-            quarantined[line["uid"]] = line["reason"]
-    return failures, quarantined, open_steps, last
+@dataclass
+class Books:
+    """What the journal says: charged failures and uncharged deaths (suspects) per key, the
+    quarantined keys and why, the steps started and never ended, the highest step number."""
+
+    failures: Counter = field(default_factory=Counter)
+    suspects: Counter = field(default_factory=Counter)
+    quarantined: dict[str, str] = field(default_factory=dict)
+    open_steps: dict[int, dict] = field(default_factory=dict)
+    last: int = 0
+
+    def died(self, start: dict) -> bool:
+        """Book the death of step START; whether it charged its turns (see the docstring)."""
+        proven = start.get("proven", True)  # a line from before the rule: as it was then
+        (self.failures if proven else self.suspects).update(start["uids"])
+        return proven
+
+
+def read_journal(data_dir: Path) -> Books:
+    """The books from DATA_DIR's journal. Steps that never ended are not counted yet."""
+    books = Books()
+    path = Path(data_dir) / JOURNAL
+    for number, line in enumerate(read_jsonl(path), 1):
+        try:
+            kind = line.get("kind")
+            if kind == "step_start":
+                books.open_steps[int(line["n"])] = line
+                books.last = max(books.last, int(line["n"]))
+                list(line["uids"])
+            elif kind == "step_end":
+                start = books.open_steps.pop(int(line["n"]), None)
+                if start is None:
+                    continue
+                if line.get("died") and not line["ok"]:
+                    books.died(start)
+                elif not line["ok"]:
+                    if line.get("charged", True):
+                        books.failures.update(start["uids"])
+                else:  # trained: no longer suspect
+                    for uid in start["uids"]:
+                        books.suspects.pop(uid, None)
+            elif kind == "quarantined":
+                books.quarantined[str(line["uid"])] = str(line["reason"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if (str(path), number) not in _warned:  # read twice at start: warned once
+                _warned.add((str(path), number))
+                log.warning("%s: entry %d is not a journal line (%s: %s); skipped: %.120r",
+                            path, number, type(e).__name__, e, line)
+    return books
 
 
 def quarantined_uids(data_dir: Path, max_attempts: int) -> set[str]:
     """Turns that must not be trained: quarantined, or failed `max_attempts` times (a crash the
     server has not restarted after yet, so no `quarantined` line was written)."""
-    failures, quarantined, open_steps, _ = read_journal(data_dir)
-    for start in open_steps.values():
-        failures.update(start["uids"])
-    return set(quarantined) | {u for u, n in failures.items() if n >= max_attempts}
+    books = read_journal(data_dir)
+    for start in books.open_steps.values():
+        books.died(start)
+    return set(books.quarantined) | {u for u, n in books.failures.items() if n >= max_attempts}
 
 
 class StepJournal:
@@ -83,27 +128,54 @@ class StepJournal:
 
     def __init__(self, data_dir: Path, fsync: bool = True, max_attempts: int = 2):
         self.max_attempts = max_attempts
-        self.failures, self.quarantined, open_steps, self._n = read_journal(data_dir)
+        books = read_journal(data_dir)
+        self.failures, self.suspects, self.quarantined = (books.failures, books.suspects,
+                                                          books.quarantined)
+        self._n = books.last
         self.failed_steps = 0  # in this process
+        self.clean_steps = 0  # in this process: one makes it proven
+        self._born = time.monotonic()
         self._streak: tuple[str, set[str]] = ("", set())  # (error type, turns) failing in a row
         self.open: tuple[int, list[str]] | None = None  # the step started, update not applied
         self.writer = JsonlWriter(Path(data_dir) / JOURNAL, fsync=fsync)
-        for n, start in sorted(open_steps.items()):  # the last run died inside these steps
+        for n, start in sorted(books.open_steps.items()):  # the last run died inside these
+            charged = books.died(start)
             self.writer.write({"kind": "step_end", "n": n, "ok": False, "error": DIED,
-                               "died": True, "time": time.time()})
-            log.warning("the last run died during training step %d (turns %s); each is "
-                        "retried alone, or quarantined", n, ", ".join(start["uids"]))
-            self._charge(start["uids"], DIED)
+                               "died": True, "charged": charged, "time": time.time()})
+            if charged:
+                log.warning("the last run died during training step %d (turns %s) after it "
+                            "had trained cleanly: each turn is charged an attempt, retried "
+                            "alone, or quarantined", n, ", ".join(start["uids"]))
+                for uid in start["uids"]:
+                    self._quarantine_if_spent(uid, DIED)
+            else:
+                log.warning("the last run died during training step %d (turns %s) before "
+                            "it had trained cleanly: no turn is charged; each waits for a "
+                            "clean step, then is retried alone", n, ", ".join(start["uids"]))
         for uid in list(self.failures):  # e.g. died between a step's end and its quarantine
             self._quarantine_if_spent(uid, "an earlier run's failures")
 
+    @property
+    def proven(self) -> bool:
+        """Whether a death now would be this step's fault: this process has ended a step
+        cleanly, or has run CLEAN_RUN_S."""
+        return self.clean_steps > 0 or time.monotonic() - self._born >= CLEAN_RUN_S
+
+    def suspect(self, uid: str) -> bool:
+        """UID was in a step an unproven process died in: it waits until this one is proven."""
+        return self.suspects[uid] > 0
+
+    def tries(self, uid: str) -> int:
+        """Failed tries of UID so far, charged or not."""
+        return self.failures[uid] + self.suspects[uid]
+
     def start(self, uids: list[str], tokens: int) -> int:
         """Journal a step over UIDS (TOKENS prompt + completion ids in all) before it runs."""
-        self._n += 1
+        self.writer.write({"kind": "step_start", "n": self._n + 1, "uids": uids,
+                           "attempt": 1 + max(self.tries(u) for u in uids), "tokens": tokens,
+                           "proven": self.proven, "time": time.time()})
+        self._n += 1  # only once on disk: a start that failed to write is no step
         self.open = (self._n, uids)
-        self.writer.write({"kind": "step_start", "n": self._n, "uids": uids,
-                           "attempt": 1 + max(self.failures[u] for u in uids), "tokens": tokens,
-                           "time": time.time()})
         return self._n
 
     def applied(self) -> None:
@@ -119,6 +191,9 @@ class StepJournal:
                            "charged": charge, "time": time.time()})
         if error is None:
             self._streak = ("", set())
+            self.clean_steps += 1
+            for uid in uids:
+                self.suspects.pop(uid, None)
         else:
             self.failed_steps += 1
             if charge:

@@ -25,10 +25,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from rlproxy.serving.model import lora_weights, quantize_base
+from rlproxy.serving.model import architecture, lora_weights, quantize_base
 from rlproxy.settings import Settings
 from rlproxy.training import chunked_grad, losses, schedule
-from rlproxy.training.checkpoints import layout_mismatch, load_checkpoint, save_checkpoint
+from rlproxy.training.checkpoints import (
+    layout_mismatch, load_checkpoint, read_checkpoint, save_checkpoint,
+)
 
 
 class LayoutMismatch(ValueError):
@@ -51,10 +53,9 @@ class OptimStepOutput:
 
 def training_copy(loaded) -> nn.Module:
     """A second model object over the same base arrays, with LoRA layers of its own."""
-    import mlx_lm
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
-    model, _ = mlx_lm.load(loaded.source, lazy=True)  # architecture only; weights never read
+    model = architecture(loaded)  # weights never read; the serving model's RoPE scaling
     cfg = loaded.lora_config
     linear_to_lora_layers(model, cfg["num_layers"], cfg["lora_parameters"])
     quantize_base(model, loaded.quantize_bits)  # the same structure as the serving model
@@ -160,6 +161,25 @@ class LocalLearner:
             raise LayoutMismatch(problem)
         self.restore({"adapter": adapter, "optimizer": opt_state})
         return state
+
+    def resume_state(self, path: Path) -> tuple[dict | None, list[str]]:
+        """`load_state` at start-up, forgiving: checkpoint PATH's adapter must be readable
+        (checkpoints.py UNREADABLE otherwise) and of this layout (LayoutMismatch); an
+        unreadable optimizer state or trainer_state.json is named in the list instead, and
+        training goes on from the weights with this fresh optimizer (the state: None)."""
+        adapter, opt_state, state, problems = read_checkpoint(path, partial=True)
+        weights = lora_weights(self.model)
+        problem = layout_mismatch(weights, adapter)
+        if problem:
+            raise LayoutMismatch(problem)
+        if opt_state is not None and layout_mismatch(weights, adapter, self.optimizer.state,
+                                                     opt_state):
+            problems.append("optimizer.safetensors: its state has other shapes than this "
+                            "optimizer's")
+            opt_state = None
+        self.restore({"adapter": adapter,
+                      "optimizer": self.optimizer.state if opt_state is None else opt_state})
+        return state, problems
 
     def snapshot(self) -> dict:
         """The adapter and optimizer state, for `restore` (arrays are immutable: references

@@ -8,7 +8,10 @@ new adapter (already evaluated) and writes one line to training.jsonl. With the 
 the exact recorded ids and behaviour log-probs, never re-tokenizing. After each unit of work the
 pacer (training/pacing.py) keeps it to `duty_cycle` while live requests decode. Every batch runs
 between a journaled start and end (training/journal.py): an item whose step raises, or dies with
-the process, is retried alone, then quarantined, so no turn can kill or crash-loop the trainer.
+the process, is retried alone, then quarantined, so no turn can kill or crash-loop the trainer; a
+turn in a step an unproven process died in waits until this one is proven (journal.py's crash
+blame). A batch whose journal lines a full disk refuses goes back to the inbox and is tried again
+every DISK_RETRY_S, the error on /healthz meanwhile.
 
 Advantage baselines: an item the scorer already `baselined` (a group of 2 or more choices) is
 trained as it comes; otherwise `--baseline mean` subtracts an exponential running mean of the
@@ -41,7 +44,7 @@ import mlx.nn as nn
 from rlproxy.lru import LRU
 from rlproxy.ops import metrics
 from rlproxy.paths import CHECKPOINTS, TRAINING
-from rlproxy.records import JsonlWriter, read_jsonl
+from rlproxy.records import JsonlWriter, WriteFailed, read_jsonl
 from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.settings import Settings
 from rlproxy.training.control import Control
@@ -56,6 +59,7 @@ __all__ = ["Trainer", "TrainerStats", "released_turns", "training_copy"]  # app.
 log = logging.getLogger("rlproxy.trainer")
 TRAINED_KEEP = 100_000  # keys remembered as trained once running (start-up reads them all)
 MAX_QUEUED = 10_000  # items waiting; past it an item waits for a restart (released_turns)
+DISK_RETRY_S = 5.0  # a batch whose journal lines a full disk refused is tried again after it
 
 
 @dataclass
@@ -115,6 +119,7 @@ class Trainer(Control):
         # quarantined once they have had their attempts.
         self.journal = StepJournal(self.data_dir, settings.records.fsync, t.max_step_attempts)
         self._batch: list[dict] = []  # items collected towards the next batch
+        self._suspects: list[dict] = []  # items waiting for this process to be proven
         self.pacer = Pacer(engine.busy if engine is not None else None, t.duty_cycle)
         self._thread: threading.Thread | None = None
         self._running = False
@@ -202,14 +207,24 @@ class Trainer(Control):
 
     def _collect(self) -> list[dict]:
         """The next `batch_size` items; one whose earlier step failed comes back alone, at
-        once, so that a poison turn cannot take innocent ones down with it again."""
+        once, so that a poison turn cannot take innocent ones down with it again. A suspect (in
+        a step an unproven process died in: training/journal.py) waits until this process is
+        proven, then comes back alone."""
         while self._running:
-            item = self.inbox.get()
+            if self._suspects and self.journal.proven:
+                return [self._suspects.pop(0)]
+            try:  # waiting suspects: look again when CLEAN_RUN_S may have made it proven
+                item = self.inbox.get(timeout=1.0 if self._suspects else None)
+            except queue.Empty:
+                continue
             if item is None:
                 break
             with self._lock:
                 item = self._latest.pop(item_key(item), item)  # an update came meanwhile
-            if self.journal.failures[item_key(item)]:
+            if self.journal.suspect(item_key(item)) and not self.journal.proven:
+                self._suspects.append(item)
+                continue
+            if self.journal.tries(item_key(item)):
                 return [item]
             self._batch.append(item)
             if len(self._batch) == self.t.batch_size:
@@ -228,9 +243,8 @@ class Trainer(Control):
                     self._control()  # a rollback asked for; a pause holds the batch here
                     if self.paused and not self._running:
                         break  # stopped while paused: the held batch trains after a restart
-                    if batch:  # its units keep the duty cycle (the pacer)
-                        self.train_journaled(batch)
-                        self._done(batch)
+                    if batch and not self._train_or_wait_for_disk(batch):
+                        continue
                     if self.gate is not None and self.gate.due:
                         self.evaluate()  # publish the candidate, or roll back
             except Exception as e:  # surfaced on /healthz
@@ -240,6 +254,24 @@ class Trainer(Control):
                 self._save_unsaved()  # on this thread, which owns the arrays
             except Exception:
                 log.exception("could not save the final checkpoint")
+
+    def _train_or_wait_for_disk(self, batch: list[dict]) -> bool:
+        """Train BATCH (its units keep the duty cycle: the pacer); False when a full disk kept
+        its journal lines from being written: it goes back to the inbox, and the thread waits
+        DISK_RETRY_S before it tries again (no restart needed once there is space)."""
+        try:
+            self.train_journaled(batch)
+        except WriteFailed as e:
+            self.error = f"training waits for disk space: {e}"
+            log.error(self.error)
+            for item in batch:
+                self.inbox.put(item)
+            time.sleep(DISK_RETRY_S)
+            return False
+        if self.error and self.error.startswith("training waits for disk space"):
+            self.error = None
+        self._done(batch)
+        return True
 
     # ---- one batch ----
 
@@ -266,7 +298,7 @@ class Trainer(Control):
                 lo = ex["mask"].index(1.0)
                 ex["adv"][lo:] = [a - self.settings.scoring.w_rl * self.baseline
                                   for a in ex["adv"][lo:]]
-            if not self.journal.failures[key]:  # once per item, not per attempt
+            if not self.journal.tries(key):  # once per item, not per attempt
                 self.baseline = (0.9 * self.baseline + 0.1 * scored["reward"]
                                  if self.baseline_n else scored["reward"])
                 self.baseline_n += 1

@@ -1,0 +1,272 @@
+"""A full disk (issue 24 row 4): the real server on a data directory that runs out of space.
+
+A turn whose record cannot be written gets 507 in its API's error shape, naming the file; no
+torn line is left in any record file; /healthz says `degraded` and names the file, /metrics
+counts it; once space is back the next turn is filed and health is ok again, with no restart;
+every turn acknowledged before, during and after is on disk exactly once.
+
+The first test mounts a real 8 MB tmpfs (root here) and runs `rlproxy serve` on it as a
+subprocess; where mounting is not allowed it is skipped and the second test carries the
+checks: the in-process app with records.py's one fault-injection seam (`records.os_write`)
+raising ENOSPC after a partial write, which is what a filling disk does.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+import pytest
+import requests
+
+from rlproxy import records
+from conftest import ServerThread, make_settings
+from test_durability import start_server, stop
+
+RECORD_FILES = ("conversations.jsonl", "pending_turns.jsonl", "prm_scores.jsonl")
+
+
+def turn(url: str, sid: str, api: str = "chat", done: bool = True) -> requests.Response:
+    headers = {"X-Session-Id": sid, **({"X-Session-Done": "1"} if done else {})}
+    if api == "chat":
+        body = {"model": "m", "max_tokens": 6,
+                "messages": [{"role": "user", "content": f"{sid}: say something."}]}
+        return requests.post(url + "/v1/chat/completions", json=body, headers=headers,
+                             timeout=60)
+    body = {"model": "m", "max_tokens": 6,
+            "messages": [{"role": "user", "content": f"{sid}: say something."}]}
+    return requests.post(url + "/v1/messages", json=body, timeout=60,
+                         headers={**headers, "anthropic-version": "2023-06-01"})
+
+
+def assert_whole_lines(data: Path) -> dict[str, list[dict]]:
+    """Every record file is whole JSON lines, each ending in a newline: nothing torn."""
+    out = {}
+    for name in RECORD_FILES + ("train_journal.jsonl", "training.jsonl"):
+        path = data / name
+        raw = path.read_bytes() if path.exists() else b""
+        assert not raw or raw.endswith(b"\n"), f"{name} ends mid-line: {raw[-80:]!r}"
+        lines = raw.split(b"\n")[:-1]
+        for i, line in enumerate(lines):
+            try:
+                orjson.loads(line)
+            except orjson.JSONDecodeError:
+                raise AssertionError(f"{name} line {i + 1} is torn: {line[:120]!r}") from None
+        out[name] = [orjson.loads(ln) for ln in lines]
+    return out
+
+
+def assert_acknowledged_on_disk(data: Path, acked: list[str]) -> None:
+    """Each acknowledged turn is recorded once, or (its session still open) in the journal."""
+    files = assert_whole_lines(data)
+    uids = [r["uid"] for r in files["conversations.jsonl"]]
+    uids += [e["uid"] for e in records.load_pending(data / "pending_turns.jsonl")
+             if e["uid"] not in uids]
+    missing = [u for u in acked if u not in uids]
+    assert not missing, f"acknowledged turns lost: {missing}"
+    assert all(uids.count(u) == 1 for u in acked), "an acknowledged turn recorded twice"
+
+
+def fill(path: Path) -> None:
+    """Write PATH until the disk says it is full."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    with open(path, "ab", buffering=0) as f:  # the last few bytes too
+        try:
+            while True:
+                f.write(b"\0" * 512)
+        except OSError:
+            pass
+
+
+def check_full(url: str, data: Path, acked: list[str]) -> None:
+    """While the disk is full: 507 in both shapes naming a record file, health degraded. A
+    file's last page may still hold a few lines: turns are sent until one fails."""
+    for i in range(200):
+        r = turn(url, f"filling-{i}")
+        if r.status_code != 200:
+            break
+        acked.append(r.headers["X-Turn-Uid"])
+    for api, sid in (("chat", "full-chat"), ("messages", "full-messages")):
+        r = turn(url, sid, api)
+        assert r.status_code == 507, (api, r.status_code, r.text)
+        assert r.headers["Retry-After"].isdigit()
+        body = r.json()
+        error = body["error"] if api == "chat" else body["error"]
+        if api == "messages":
+            assert body["type"] == "error" and error["type"] == "api_error", body
+        else:
+            assert error["code"] == "insufficient_storage", body
+        assert "disk is full" in error["message"] and str(data) in error["message"], error
+    # streamed: the 200 went out before the turn was filed; the stream must not end as if
+    # the turn were kept (no finish event), but with an error chunk that says why, then [DONE]
+    body = {"model": "m", "max_tokens": 6, "stream": True,
+            "messages": [{"role": "user", "content": "full-stream: say something."}]}
+    text = ""
+    try:
+        with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60,
+                           headers={"X-Session-Id": "full-stream", "X-Session-Done": "1"}) as r:
+            for chunk in r.iter_content(None):
+                text += chunk.decode()
+    except requests.exceptions.RequestException:
+        pass
+    assert '"finish_reason":"length"' not in text and '"finish_reason":"stop"' not in text, text
+    events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]", text
+    error = orjson.loads(events[-2])["error"]
+    assert error["code"] == "insufficient_storage" and "disk is full" in error["message"], error
+    body = {"model": "m", "max_tokens": 6, "stream": True,
+            "messages": [{"role": "user", "content": "full-stream-messages: say something."}]}
+    with requests.post(url + "/v1/messages", json=body, stream=True, timeout=60,
+                       headers={"X-Session-Id": "full-stream-m", "X-Session-Done": "1"}) as r:
+        text = b"".join(r.iter_content(None)).decode()
+    assert "message_stop" not in text and "event: error" in text, text
+    assert "disk is full" in text.split("event: error")[-1], text
+    h = requests.get(url + "/healthz", timeout=10)
+    assert h.status_code == 200 and h.json()["status"] == "degraded", h.text
+    failing = h.json()["disk"]["failing"]
+    assert failing and all(f["path"].startswith(str(data)) for f in failing), failing
+    m = requests.get(url + "/metrics", timeout=10).text
+    assert f'rlproxy_disk_write_errors_total{{path="{data}/' in m, m[-2000:]
+
+
+def check_resumed(url: str, data: Path, acked: list[str]) -> None:
+    """Space is back: the next turns are filed, health is ok, nothing torn or lost."""
+    for i in range(2):
+        r = turn(url, f"after-{i}")
+        assert r.status_code == 200, r.text
+        acked.append(r.headers["X-Turn-Uid"])
+    h = requests.get(url + "/healthz", timeout=10).json()
+    assert h["status"] == "ok" and h["disk"]["failing"] == [], h
+    assert_acknowledged_on_disk(data, acked)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                       check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"cannot mount a tmpfs here ({e}); test_a_write_that_fails... covers it")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_a_full_tmpfs_gives_507_no_torn_line_and_recovers_without_restart(tmpfs, tmp_path):
+    data, log = tmpfs / "data", tmp_path / "server.log"
+    proc, url = start_server(data, log)
+    try:
+        acked = []
+        for i in range(3):
+            r = turn(url, f"before-{i}", done=i != 1)  # one stays pending in the journal
+            assert r.status_code == 200, r.text
+            acked.append(r.headers["X-Turn-Uid"])
+        fill(tmpfs / "filler")
+        check_full(url, data, acked)
+        assert_whole_lines(data)
+        (tmpfs / "filler").unlink()
+        check_resumed(url, data, acked)
+        assert proc.poll() is None
+    finally:
+        stop(proc)
+    text = log.read_text()
+    assert "Future exception was never retrieved" not in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_a_write_that_fails_is_cut_back_and_the_server_recovers(tiny, tmp_path, monkeypatch,
+                                                                caplog):
+    """The fault-injection fallback: each write while `full` writes a few bytes, then fails
+    with ENOSPC, as a filling disk does."""
+    real_write, full = records.os_write, [False]
+
+    def write_on_a_filling_disk(fd, data):
+        if not full[0]:
+            return real_write(fd, data)
+        if len(data) > 1:  # a partial write first ...
+            return real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")  # ... then no space
+
+    monkeypatch.setattr(records, "os_write", write_on_a_filling_disk)
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    settings = make_settings(tmp_path, prefix_cache=False)
+    with ServerThread(settings, tiny) as s:
+        acked = []
+        for i in range(3):
+            r = turn(s.url, f"before-{i}", done=i != 1)
+            assert r.status_code == 200, r.text
+            acked.append(r.headers["X-Turn-Uid"])
+        full[0] = True
+        check_full(s.url, tmp_path, acked)
+        assert_whole_lines(tmp_path)
+        full[0] = False
+        check_resumed(s.url, tmp_path, acked)
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_a_cut_last_line_is_reported_with_its_offset(tmp_path, caplog):
+    path = tmp_path / "conversations.jsonl"
+    path.write_bytes(b'{"uid": "a"}\nnot json\n{"uid": "b"}\n{"uid": "c", "cut')
+    caplog.set_level(logging.WARNING, logger="rlproxy.records")
+    assert [r["uid"] for r in records.read_jsonl(path)] == ["a", "b"]
+    text = caplog.text
+    assert f"{path}: line 2 is not JSON" in text and "byte offset 13" in text, text
+    assert "last line (4) is cut short" in text and "byte offset 35" in text, text
+    w = records.JsonlWriter(path)  # the next line starts on a line of its own
+    w.write({"uid": uuid.uuid4().hex})
+    w.close()
+    assert len(list(records.read_jsonl(path))) == 3
+
+
+def test_training_waits_for_space_and_charges_no_turn(tmp_path, monkeypatch):
+    """The trainer thread on a full disk: its journal lines are refused, the batch waits (the
+    error on /healthz says so) and trains once there is space; no turn is charged."""
+    from rlproxy.serving.model import load_serving_model
+    from rlproxy.settings import ModelSettings
+    from rlproxy.training import loop
+    from test_poison import make_scored, trained_uids
+
+    own = load_serving_model(ModelSettings(model="tiny"))
+    real_write, full = records.os_write, [False]
+
+    def write(fd, data):
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(records, "os_write", write)
+    monkeypatch.setattr(loop, "DISK_RETRY_S", 0.2)
+    trainer = loop.Trainer(make_settings(tmp_path, train=True, batch_size=1, baseline="none"),
+                           loop.training_copy(own), own.lora_config, data_dir=tmp_path,
+                           vocab_size=own.vocab_size)
+    trainer.start()
+    try:
+        full[0] = True
+        trainer.submit(make_scored(own, "a", [5, 6, 7]))
+        deadline = time.monotonic() + 30
+        while not (trainer.error or "").startswith("training waits for disk space"):
+            assert time.monotonic() < deadline, trainer.error
+            time.sleep(0.05)
+        assert trainer.alive and "train_journal.jsonl" in trainer.error
+        full[0] = False
+        while "a" not in trained_uids(tmp_path):
+            assert time.monotonic() < deadline, trainer.error
+            time.sleep(0.05)
+        assert trainer.error is None and not trainer.journal.failures
+        assert not trainer.journal.quarantined
+    finally:
+        trainer.stop()
+    assert_whole_lines(tmp_path)

@@ -1,0 +1,264 @@
+"""Hostile restarts (issue 24 rows 5 and 9): the real server starts through corrupt files, and
+kills by an operator do not get innocent turns quarantined.
+
+Row 9 runs `rlproxy serve` as a subprocess and SIGKILLs it five times in a row inside training
+steps over four innocent long turns: none is quarantined, and all four train once the kills
+stop; a turn that dies with every process that trains it is still quarantined. Row 5 corrupts
+each file rlproxy reads at start (the newest checkpoint's adapter, an optimizer file,
+trainer_state.json, the prefix cache's SQLite file, the stored responses, a journal line, a cut
+last record line) and starts the real server on it: it starts, names each file in a WARNING,
+sets it aside as `<name>.corrupt-<time>` and goes on from what is intact.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from rlproxy.records import read_jsonl
+
+from test_poison import (
+    COMMON, REPO, REWARD_MODULE, chat, health, journal, kill_inside, serve, trained_uids,
+)
+from test_durability import free_port, stop
+
+# ~1,500 prompt tokens: a step over one takes a few seconds on the tiny model with
+# --prompt-grad full (2-core CPU), long enough to see its start and kill inside it
+LONG_WORDS = 1500
+
+
+def long_text(seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(COMMON) for _ in range(LONG_WORDS))
+
+
+def next_start(data: Path, after: int, timeout: float = 90) -> dict:
+    """The first step_start numbered above AFTER."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in journal(data):
+            if line["kind"] == "step_start" and line["n"] > after:
+                return line
+        time.sleep(0.01)
+    raise AssertionError(f"no step after {after} in {timeout} s: {journal(data)}")
+
+
+def start_of(data: Path, uid: str, after: int, timeout: float = 90) -> dict:
+    """The first step_start over UID alone numbered above AFTER."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in journal(data):
+            if line["kind"] == "step_start" and line["n"] > after and line["uids"] == [uid]:
+                return line
+        time.sleep(0.01)
+    raise AssertionError(f"no step over {uid} after {after} in {timeout} s: {journal(data)}")
+
+
+def wait_trained(data: Path, uids: set[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not uids <= set(trained_uids(data)):
+        assert time.monotonic() < deadline, (
+            uids, trained_uids(data), list(read_jsonl(data / "train_journal.jsonl")))
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_five_kills_in_a_row_during_steps_quarantine_no_innocent_turn(tmp_path):
+    (tmp_path / "poison_reward.py").write_text(REWARD_MODULE)
+    data, log = tmp_path / "data", tmp_path / "server.log"
+    procs, last = [], 0
+    try:
+        proc, url = serve(data, tmp_path, log)
+        procs.append(proc)
+        innocent = [chat(url, f"long-{i}", long_text(i)) for i in range(4)]
+        # kills 1-4: each in the first step after a (re)start, as an operator's restarts land
+        for _ in range(4):
+            start = next_start(data, last)
+            kill_inside(proc, data, start)
+            last = start["n"]
+            proc, url = serve(data, tmp_path, log)
+            procs.append(proc)
+        # kill 5: in a suspect's retry, after a clean step made this process proven: charged
+        # once, which is not enough to quarantine it
+        short = chat(url, "short-1", "A short question.")
+        wait_trained(data, {short})
+        start = start_of(data, innocent[0], last)
+        assert start["proven"] and start["attempt"] == 2, start
+        kill_inside(proc, data, start)
+        last = start["n"]
+        # no more kills: every innocent turn trains
+        proc, url = serve(data, tmp_path, log)
+        procs.append(proc)
+        assert health(url)["trainer"]["quarantined"] == 0
+        chat(url, "short-2", "Another short question.")
+        wait_trained(data, set(innocent), timeout=180)
+        assert health(url)["trainer"]["quarantined"] == 0
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        for p in procs:
+            stop(p)
+    lines = journal(data)
+    assert not [ln for ln in lines if ln["kind"] == "quarantined"], lines
+    died = [ln for ln in lines if ln["kind"] == "step_end" and ln.get("died")]
+    assert [ln["charged"] for ln in died] == [False] * 4 + [True], died
+
+
+@pytest.mark.slow
+def test_a_turn_that_kills_every_process_that_trains_it_is_still_quarantined(tmp_path):
+    (tmp_path / "poison_reward.py").write_text(REWARD_MODULE)
+    data, log = tmp_path / "data", tmp_path / "server.log"
+    procs = []
+    try:
+        proc, url = serve(data, tmp_path, log)
+        procs.append(proc)
+        poison = chat(url, "poison", long_text(99))
+        start = start_of(data, poison, 0)
+        kill_inside(proc, data, start)  # unproven: a suspect, not charged
+        for i in range(2):  # each restart: a clean step, then the poison alone, which kills
+            proc, url = serve(data, tmp_path, log)
+            procs.append(proc)
+            chat(url, f"short-{i}", "A short question.")
+            start = start_of(data, poison, start["n"])
+            assert start["proven"], start
+            ends = {ln["n"]: ln for ln in journal(data) if ln["kind"] == "step_end"}
+            assert ends[start["n"] - 1]["ok"], "the suspect ran before a clean step"
+            kill_inside(proc, data, start)
+        proc, url = serve(data, tmp_path, log)
+        procs.append(proc)
+        trainer = health(url)["trainer"]
+        assert (trainer["quarantined"], trainer["alive"], trainer["error"]) == (1, True, None)
+        after = chat(url, "after", "And one after.")
+        wait_trained(data, {after})
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        for p in procs:
+            stop(p)
+    quarantined = [ln for ln in journal(data) if ln["kind"] == "quarantined"]
+    assert [(q["uid"], q["attempts"]) for q in quarantined] == [(poison, 2)], quarantined
+    assert poison not in trained_uids(data)
+
+
+def serve_with(data: Path, tmp: Path, log: Path, *flags: str):
+    """`rlproxy serve` with training (one turn per step, a checkpoint each step) and the
+    prefix cache on; waits until /healthz answers 200."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RLPROXY_") or k == "RLPROXY_CACHE_DIR"}
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
+        [str(tmp), str(REPO), env.get("PYTHONPATH", "")]))
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port",
+             str(port), "--data-dir", str(data), "--log-level", "WARNING", "--batch-size", "1",
+             "--no-judge", "--no-at-least-one", "--reward-function", "poison_reward:reward",
+             "--baseline", "none", "--save-interval", "1", "--keep-checkpoints", "5", *flags],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()}"
+        try:
+            if requests.get(url + "/healthz", timeout=2).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"server did not answer in 120 s:\n{log.read_text()}")
+
+
+def sigterm(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+@pytest.mark.slow  # three starts of the real server: about 20 s
+def test_the_server_starts_through_corrupt_files_and_sets_them_aside(tmp_path):
+    (tmp_path / "poison_reward.py").write_text(REWARD_MODULE)
+    data, log = tmp_path / "data", tmp_path / "server.log"
+    ckpt = data / "checkpoints"
+    proc, url = serve_with(data, tmp_path, log)
+    try:
+        uids = [chat(url, f"s{i}", f"question {i}") for i in range(3)]
+        wait_trained(data, set(uids))
+        r = requests.post(url + "/v1/responses", timeout=60, json={
+            "model": "m", "input": "hello", "max_output_tokens": 4, "store": True})
+        assert r.status_code == 200, r.text
+        sigterm(proc)
+    finally:
+        stop(proc)
+    assert [p.name for p in sorted(ckpt.glob("step_*"))][-3:] == [
+        "step_000001", "step_000002", "step_000003"]
+
+    # the damage
+    (ckpt / "step_000003" / "adapters.safetensors").write_bytes(b"garbage" * 100)
+    opt = ckpt / "step_000002" / "optimizer.safetensors"
+    opt.write_bytes(opt.read_bytes()[: opt.stat().st_size // 2])
+    (ckpt / "step_000002" / "trainer_state.json").write_text("{")
+    (data / "prefix_cache" / "cache.db").write_bytes(os.urandom(8192))
+    (data / "responses" / "cache.db").write_bytes(os.urandom(8192))
+    with open(data / "train_journal.jsonl", "ab") as f:
+        f.write(b'{"kind": "step_end", "n": "x"}\n{"kind": "quarantined"}\nnot json\n')
+    with open(data / "pending_turns.jsonl", "ab") as f:
+        f.write(b'{"kind": "turn"}\n')
+    with open(data / "prm_scores.jsonl", "ab") as f:
+        f.write(b'{"kind": "score", "uid": "odd"}\n')
+    conversations = data / "conversations.jsonl"
+    cut_at = conversations.stat().st_size
+    with open(conversations, "ab") as f:
+        f.write(b'{"uid": "cut-short", "session_id": "x"')
+
+    before = log.read_text()
+    proc, url = serve_with(data, tmp_path, log)
+    try:
+        h = health(url)
+        assert h["status"] == "ok" and h["trainer"]["alive"], h
+        assert h["trainer"]["error"] is None, h["trainer"]
+        resumed = [ln for ln in read_jsonl(data / "train_journal.jsonl")
+                   if ln.get("kind") == "resumed"]
+        assert resumed[-1]["step"] == 2, resumed  # from the intact weights of step 2
+        after = chat(url, "after", "one more")  # it serves and trains on
+        wait_trained(data, {after})
+        sigterm(proc)
+    finally:
+        stop(proc)
+    text = log.read_text()[len(before):]
+    assert "Traceback" not in text, text
+    warnings = [ln for ln in text.splitlines() if " WARNING " in ln]
+    for needle in (f"{ckpt / 'step_000003'} cannot be read",
+                   f"{ckpt / 'step_000002'} cannot be read (optimizer.safetensors",
+                   "trainer_state.json", "fresh optimizer",
+                   f"{data / 'prefix_cache'} cannot be read",
+                   f"{data / 'responses'} cannot be read",
+                   f"{data / 'train_journal.jsonl'}: entry",
+                   f"{data / 'train_journal.jsonl'}: line",
+                   f"{data / 'pending_turns.jsonl'}: entry",
+                   f"{data / 'prm_scores.jsonl'}: entry",
+                   f"{conversations}: its last line",
+                   f"byte offset {cut_at}"):
+        assert any(needle in w for w in warnings), (needle, warnings)
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert any(n.startswith("step_000003.corrupt-") for n in names), names
+    assert any(n.startswith("step_000002.corrupt-") for n in names), names
+    assert (ckpt / "step_000002" / "trainer_state.json").exists()  # saved again, whole
+    assert len(list(data.glob("prefix_cache.corrupt-*"))) == 1
+    assert len(list(data.glob("responses.corrupt-*"))) == 1
+    # a second restart on what the first left: nothing new to set aside, no warning of it
+    mark = log.read_text()
+    proc, url = serve_with(data, tmp_path, log)
+    try:
+        assert health(url)["trainer"]["step"] >= 3
+        sigterm(proc)
+    finally:
+        stop(proc)
+    assert "cannot be read" not in log.read_text()[len(mark):]
