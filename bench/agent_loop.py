@@ -451,7 +451,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48, help="reply length cap")
     parser.add_argument("--batch-size", type=int, default=1, help="the training server's")
     parser.add_argument("--model", default="tiny",
-                        help="served model (default tiny: its 40,960-token window holds the "
+                        help="served model (default tiny: its 131,072-token window holds the "
                         "15,000-token prompts; SmolLM2's 8,192 does not)")
     parser.add_argument("--train-wait", type=float,
                         help="max s to wait for the trainer before each off session (45; quick 20)")

@@ -243,8 +243,6 @@ BAD = [
     ("missing max_tokens", {"max_tokens": None, "messages": MSG}, "max_tokens"),
     ("empty messages", {"messages": []}, "messages"),
     ("empty content", {"messages": [{"role": "user", "content": []}]}, "content"),
-    ("server tool", {"messages": MSG, "tools": [{"type": "web_search_20250305",
-                                                 "name": "web_search"}]}, "web_search"),
     ("prefill", {"messages": MSG + [{"role": "assistant", "content": "Sure"}]}, "prefill"),
     ("temperature above 1", {"messages": MSG, "temperature": 1.5}, "temperature"),
     ("five stop sequences", {"messages": MSG, "stop_sequences": list("abcde")}, "stop_sequences"),
@@ -290,9 +288,20 @@ def test_sdk_raises_typed_errors(server):
 @pytest.fixture(scope="module")
 def strict_server(tiny, tmp_path_factory):
     settings = make_settings(tmp_path_factory.mktemp("data"), api_key="sekrit",
-                             strict_max_tokens=True)
+                             strict_max_tokens=True, hosted_tools="reject")
     with ServerThread(settings, tiny) as s:
         yield s
+
+
+def test_server_tools_are_a_400_under_reject(strict_server):
+    """--hosted-tools reject (the default, drop, is in test_hosted_tools.py)."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client(strict_server, api_key="sekrit").messages.create(
+            model="m", max_tokens=5, messages=MSG,
+            tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    err = e.value.body["error"]
+    assert err["type"] == "invalid_request_error" and "web_search" in err["message"]
+    assert "--hosted-tools drop" in err["message"]
 
 
 def test_api_key_via_x_api_key_or_bearer(strict_server):

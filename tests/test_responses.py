@@ -212,7 +212,6 @@ BAD = [
     ("empty string", {"input": ""}, "input"),
     ("empty list", {"input": []}, "input"),
     ("unknown item", {"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
-    ("hosted tool", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ("json schema", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                                         "schema": {}}}}, "text.format"),
     ("image part", {"input": [{"role": "user", "content": [
@@ -222,9 +221,6 @@ BAD = [
     ("bad arguments", {"input": [{"type": "function_call", "call_id": "c", "name": "f",
                                   "arguments": "[1]"}]}, "input[0].arguments"),
     ("tool role", {"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
-    ("hosted tool in a namespace", {"input": "hi", "tools": [
-        {"type": "namespace", "name": "n", "tools": [{"type": "file_search"}]}]},
-     "tools[0].tools[0].type"),
     ("hosted tool choice", {"input": "hi", "tools": FLAT_TOOLS,
                             "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ("unknown tool choice", {"input": "hi", "tools": FLAT_TOOLS,
@@ -270,6 +266,32 @@ def test_bad_input_is_a_400_in_openai_shape(server, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+# --hosted-tools reject (the default, drop, is in test_hosted_tools.py)
+HOSTED = [
+    ("hosted tool", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ("hosted tool in a namespace", {"input": "hi", "tools": [
+        {"type": "namespace", "name": "n", "tools": [{"type": "file_search"}]}]},
+     "tools[0].tools[0].type"),
+]
+
+
+@pytest.fixture(scope="module")
+def reject_server(tiny, tmp_path_factory):
+    settings = make_settings(tmp_path_factory.mktemp("data"), hosted_tools="reject")
+    with ServerThread(settings, tiny) as s:
+        yield s
+
+
+@pytest.mark.parametrize("body,param", [b[1:] for b in HOSTED], ids=[b[0] for b in HOSTED])
+def test_hosted_tools_are_a_400_under_reject(reject_server, body, param):
+    r = requests.post(reject_server.base_url + "/responses", json={"model": "m", **body},
+                      timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "unsupported_tool_type"
+    assert "--hosted-tools drop" in err["message"]
 
 
 def test_bad_json_body(server):

@@ -239,7 +239,7 @@ def test_bad_input_gets_openai_error(server, name, body, raw, status, param):
 
 
 def test_prompt_longer_than_context(server):
-    huge = "word " * 45000  # ~45k tokens > the 40,960-token context
+    huge = "word " * 70000  # ~140k tokens > the 131,072-token context
     r = _post(server, {"model": "m", "messages": [{"role": "user", "content": huge}]})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"

@@ -524,3 +524,53 @@ def test_the_reward_chart_marks_each_rollback_in_a_real_browser(guarded, tmp_pat
         finally:
             browser.close()
     assert errors == []
+
+
+# ---- a pending turn's header, the turn count, the PEFT download (issue 22) ----
+
+def test_pending_header_turn_count_and_peft_download_in_a_real_browser(tiny, taught_adapter,
+                                                                       tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    from rlproxy.serving.peft import from_peft, is_peft_dir, read_adapter
+    from rlproxy.training.checkpoints import save_checkpoint
+
+    data = tmp_path / "data"
+    adapter = mx.load(str(taught_adapter / "adapters.safetensors"))
+    save_checkpoint(data / "checkpoints", 1, 1, adapter, {}, tiny.lora_config, {})
+    with ServerThread(make_settings(data), tiny) as s:
+        first = s.client().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+            extra_headers={"X-Session-Id": "two"})
+        s.client().chat.completions.create(  # files turn #0; this one, #1, stays pending
+            model="m", max_tokens=3, extra_headers={"X-Session-Id": "two"}, messages=[
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And then?"}])
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = browser.new_page()
+                page.goto(s.url + "/ui#/session/two")
+                page.wait_for_function("document.body.dataset.loaded === '#/session/two'")
+                cards = page.locator(".turn h3").all_inner_texts()
+                title = page.locator("h2").first.inner_text()
+                page.goto(s.url + "/ui#/adapters")
+                page.wait_for_function("document.body.dataset.loaded === '#/adapters'")
+                link = page.get_by_text("download as PEFT").first.get_attribute("href")
+            finally:
+                browser.close()
+        assert len(cards) == 2 and title.endswith("· 2 turns (1 recorded, 1 pending)"), title
+        pending = cards[1]
+        assert pending.startswith("#1 · pending · main · chat · "), pending
+        assert "–" not in pending and pending.endswith("tokens · adapter v0"), pending
+        got = requests.get(s.url + link)
+    assert got.status_code == 200 and got.headers["Content-Type"] == "application/zip"
+    with zipfile.ZipFile(io.BytesIO(got.content)) as z:
+        z.extractall(tmp_path / "zip")
+    (folder,) = (tmp_path / "zip").iterdir()
+    assert is_peft_dir(folder)
+    weights, config = from_peft(*read_adapter(folder), len(tiny.model.layers))
+    assert weights.keys() == adapter.keys()
+    assert all(mx.array_equal(weights[k], adapter[k]).item() for k in adapter)

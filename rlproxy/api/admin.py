@@ -1,9 +1,9 @@
 """The operator's actions: serve an older checkpoint (rollback), pause and resume training,
-and hand out a checkpoint as a .zip.
+and hand out a checkpoint as a .zip (mlx-lm's layout, or PEFT's).
 
 `POST /v1/adapters/{step}/serve`, `POST /v1/training/pause`, `POST /v1/training/resume`, all
 behind the API key, and the same handlers under /ui/api/ for the dashboard's buttons (sent with
-its cookie), beside `GET /ui/api/adapters/{step}.zip`: `add_routes` mounts them all. With the
+its cookie), beside `GET /ui/api/adapters/{step}.zip` and `{step}.peft.zip`: `add_routes` mounts them all. With the
 trainer running, a rollback is done by the trainer on its own thread (its arrays live there:
 `Trainer.rollback`), which publishes the checkpoint as a new adapter version and trains on from
 it. With training off (`--no-train`) the checkpoint's adapter goes to the engine directly.
@@ -16,6 +16,7 @@ import asyncio
 import io
 import json
 import re
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.api.edge import json_response
-from rlproxy.appkeys import ENGINE, SETTINGS, TRAINER
+from rlproxy.appkeys import ENGINE, MODEL, SETTINGS, TRAINER
 from rlproxy.paths import complete_checkpoints, kept_checkpoint
 from rlproxy.protocol import APIError, shown
 from rlproxy.records import JsonlWriter, read_jsonl
@@ -201,9 +202,54 @@ async def download(request: web.Request) -> web.Response:
         "Content-Disposition": f'attachment; filename="rlproxy-adapter-{path.name}.zip"'})
 
 
+async def download_peft(request: web.Request) -> web.Response:
+    """A checkpoint's adapter in Hugging Face PEFT's layout (vLLM, peft), as a .zip. Converted
+    on the event loop's thread, where the models live: a LoRA adapter converts in ms."""
+    import mlx.core as mx
+
+    from rlproxy.serving import peft
+    from rlproxy.serving.model import lora_weights
+    from rlproxy.training.checkpoints import layout_mismatch
+    from rlproxy.training.export import ExportError, base_name, check_peft_names
+
+    app = request.app
+    path = find_checkpoint(app, request.match_info["step"])
+    loaded = app[MODEL]
+    try:
+        weights, lora_config = peft.read_adapter(path)
+    except peft.PeftError:  # pruned by --keep-checkpoints after the lookup
+        raise APIError(404, f"checkpoint {path.name} was removed meanwhile", param="step",
+                       code="checkpoint_not_found") from None
+    problem = layout_mismatch(lora_weights(loaded.model), weights)
+    if problem:
+        raise unusable(path, ValueError(f"another model or LoRA layout ({problem})"))
+    try:
+        check_peft_names(loaded.model.model_type)
+    except ExportError as e:
+        raise APIError(409, str(e), code="peft_unsupported") from None
+    converted, config = peft.to_peft(weights, lora_config, base_name(
+        app[SETTINGS].model.model, loaded.source), len(loaded.model.layers))
+    mx.eval(converted)
+
+    def pack(tmp: Path) -> bytes:
+        folder = peft.write_peft(tmp / path.name, converted, config)
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+            for name in (peft.PEFT_WEIGHTS, paths.ADAPTER_CONFIG):
+                z.write(folder / name, f"{path.name}-peft/{name}")
+        return buf.getvalue()
+
+    with tempfile.TemporaryDirectory(prefix="rlproxy-peft-") as tmp:
+        body = pack(Path(tmp))
+    return web.Response(body=body, content_type="application/zip", headers={
+        "Content-Disposition": f'attachment; filename="rlproxy-adapter-{path.name}-peft.zip"'})
+
+
 def add_routes(app: web.Application) -> None:
     for prefix in ("/v1", "/ui/api"):  # the API key, or the dashboard's cookie
         app.router.add_post(prefix + "/adapters/{step}/serve", serve_adapter)
         app.router.add_post(prefix + "/training/pause", pause_training)
         app.router.add_post(prefix + "/training/resume", resume_training)
+    # before the .zip route, whose {step} would take "3.peft" (and answer 400)
+    app.router.add_get("/ui/api/adapters/{step}.peft.zip", download_peft)
     app.router.add_get("/ui/api/adapters/{step}.zip", download)

@@ -8,7 +8,10 @@ raises APIError(400) naming the offending field (app.py renders it in Anthropic'
 Knows nothing of HTTP, generation or sessions.
 
 Accepted and dropped: the `thinking` config and thinking blocks echoed in the history,
-`cache_control`, `citations`, `output_config.effort`, `context_management`.
+`cache_control`, `citations`, `output_config.effort`, `context_management`. Tools with a
+versioned `type` (server tools such as web_search_20250305, and Anthropic-defined ones such as
+bash_20250124, whose schema the model cannot be shown) are taken out by `drop_server_tools`
+under `--hosted-tools drop` (the default) and are a 400 under `reject`.
 """
 
 from __future__ import annotations
@@ -217,15 +220,28 @@ def _user(blocks: list, tool_use_ids: set[str], where: str) -> list[dict]:
     return msgs
 
 
+def server_tool(t: ToolDef) -> bool:
+    return t.type not in (None, "custom")
+
+
+def drop_server_tools(req: CountTokensRequest) -> list[str]:
+    """--hosted-tools drop: take the server tools out of `req.tools`; returns their types."""
+    dropped = [t.type for t in req.tools or [] if server_tool(t)]
+    if dropped:
+        req.tools = [t for t in req.tools if not server_tool(t)] or None
+    return dropped
+
+
 def _tools(req: CountTokensRequest) -> tuple[list | None, Any, bool]:
     """tools, tool_choice and parallel_tool_calls in Chat Completions terms."""
     tools = None
     if req.tools:
         tools = []
         for i, t in enumerate(req.tools):
-            if t.type not in (None, "custom"):
+            if server_tool(t):
                 raise APIError(400, f"tools[{i}].type: server tool {shown(t.type)} is not "
-                               "supported by rlproxy; define it as a custom tool with an "
+                               "supported by rlproxy (--hosted-tools reject; --hosted-tools drop "
+                               "leaves it out of the prompt); define it as a custom tool with an "
                                "input_schema", param=f"tools[{i}].type")
             if t.input_schema is None:
                 raise APIError(400, f"tools[{i}].input_schema: Field required",

@@ -13,13 +13,16 @@ from rlproxy.protocol import APIError, shown
 
 
 def model_card(app: web.Application, name: str) -> dict:
-    """One served model in a shape both SDKs parse: OpenAI's fields, then Anthropic's."""
+    """One served model in a shape both SDKs parse: OpenAI's fields, then Anthropic's, then
+    the window as OpenRouter-style listings say it (`context_length`: Hermes Agent reads it
+    first, and refuses to start below 64,000 tokens)."""
     created = int(app[STARTED])
+    context = app[MODEL].context_length
     return {"id": name, "object": "model", "created": created, "owned_by": "rlproxy",
             "type": "model", "display_name": name,
             "created_at": datetime.fromtimestamp(created, timezone.utc).strftime(
                 "%Y-%m-%dT%H:%M:%SZ"),
-            "max_input_tokens": app[MODEL].context_length}
+            "max_input_tokens": context, "context_length": context}
 
 
 async def list_models(request: web.Request) -> web.Response:

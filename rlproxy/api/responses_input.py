@@ -9,6 +9,11 @@ Input items, as chat messages: `message` -> a message of its role (text parts jo
 `function_call` -> a tool call on the assistant message before it (or a new one);
 `function_call_output` -> a `tool` message; `reasoning` -> dropped (the model's own thinking is
 not part of the conversation it is shown again, as in the chat templates). Anything else is a 400.
+
+Tools other than function tools (hosted ones: web_search, file_search, code_interpreter, mcp ...;
+and ones without a JSON schema, such as custom) cannot be offered to the model: under
+`--hosted-tools drop` (the default) `drop_hosted_tools` takes them out of the request, so the
+response's `tools` echo lists what the model was offered; under `reject` they are a 400.
 """
 
 from __future__ import annotations
@@ -154,10 +159,36 @@ def _function_call(item: dict, where: str) -> dict:
             "function": {"name": name, "arguments": args if args.strip() else "{}"}}
 
 
+def hosted(tool) -> bool:
+    """A tool the model cannot be offered: anything but a function (or a namespace of them)."""
+    return not isinstance(tool, dict) or tool.get("type") not in ("function", "namespace")
+
+
+def drop_hosted_tools(r: ResponsesRequest) -> list[str]:
+    """--hosted-tools drop: take the hosted tools out of `r.tools` (inside a namespace too; a
+    namespace left empty goes as well) and return their types, in order."""
+    dropped, kept = [], []
+    for t in r.tools or []:
+        if hosted(t):
+            dropped.append(str(t.get("type") if isinstance(t, dict) else t))
+            continue
+        if t["type"] == "namespace" and isinstance(t.get("tools"), list):
+            inner = [x for x in t["tools"] if not hosted(x)]
+            dropped += [str(x.get("type") if isinstance(x, dict) else x)
+                        for x in t["tools"] if hosted(x)]
+            if not inner and t["tools"]:
+                continue
+            t = {**t, "tools": inner}
+        kept.append(t)
+    if dropped:
+        r.tools = kept or None
+    return dropped
+
+
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     """Flat Responses function tools -> Chat Completions tools. A `namespace` tool (a named group
     of function tools; Codex sends its sub-agent tools so) is flattened into its functions;
-    hosted tools (web_search, file_search, ...) are a 400."""
+    hosted tools (web_search, file_search, ...) left here are a 400 (--hosted-tools reject)."""
     if not tools:
         return None
     out = []
@@ -175,8 +206,9 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
             if kind != "function":
                 at = f"{where}.tools[{j}]" if t.get("type") == "namespace" else where
                 raise APIError(400, f"{at}.type: tool type {shown(kind)} is not supported; rlproxy "
-                               "offers the model function tools only, which the client runs "
-                               "(Codex CLI: set web_search = \"disabled\" in config.toml)",
+                               "offers the model function tools only, which the client runs, "
+                               "and refuses others under --hosted-tools reject (--hosted-tools "
+                               "drop leaves them out of the prompt instead)",
                                param=f"{at}.type", code="unsupported_tool_type")
             fn = {k: tool[k] for k in ("name", "description", "parameters", "strict")
                   if k in tool}
@@ -200,8 +232,11 @@ def chat_tool_choice(choice: str | dict | None) -> str | dict | None:
             choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     kind = choice.get("type") if isinstance(choice, dict) else choice
+    # A choice that forces a hosted tool is a demand nothing here can meet: a 400 under either
+    # --hosted-tools, where an offered hosted tool is only one option the model is not given.
     raise APIError(400, f"tool_choice: {shown(kind)} is not supported; use 'none', 'auto', "
-                   "'required' or {\"type\": \"function\", \"name\": ...}",
+                   "'required' or {\"type\": \"function\", \"name\": ...} (rlproxy runs no "
+                   "hosted tool: --hosted-tools drop only leaves offered ones out of the prompt)",
                    param="tool_choice")
 
 

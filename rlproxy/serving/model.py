@@ -5,27 +5,35 @@
 mlx-lm directory first (`rlproxy.gguf` converts GGUF files), so all load through the very same
 `mlx_lm.load` call. The model always carries LoRA
 layers (zero-initialised `lora_b`, so version 0 equals the base), which is what lets the trainer's
-adapter be swapped in with `model.update(...)`. This module does not generate or serve anything.
+adapter be swapped in with `model.update(...)`. `--context-length` sets the window served: below
+the trained one it only lowers the limit, above it the config gets YaRN RoPE scaling before the
+model is built. This module does not generate or serve anything.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+import logging
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 from mlx.utils import tree_flatten
-from mlx_lm.tuner.utils import linear_to_lora_layers
+from mlx_lm.models.rope_utils import YarnRoPE
+from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
+from mlx_lm.utils import load_config
 
 from rlproxy.paths import ADAPTER_CONFIG
-from rlproxy.serving import gguf
+from rlproxy.serving import gguf, peft
 from rlproxy.serving.embedded_model import SIZES, embedded_model_path
 from rlproxy.serving.model_fetch import NAMED_MODELS, model_cache_dir, named_model_file
 from rlproxy.settings import ModelSettings
+
+log = logging.getLogger("rlproxy.model")
 
 
 @dataclass
@@ -39,6 +47,18 @@ class LoadedModel:
     origin: str = ""  # where that came from, in words (the startup log and /healthz)
     quantize_bits: int | None = None  # QLoRA: the frozen base quantized at load
     vocab_size: int = 0  # rows of the output layer: valid token ids are below this
+    # what mlx_lm.load(source, model_config=...) needs to build this architecture again
+    # (--context-length's RoPE scaling): training copies must see the same positions
+    config_overrides: dict = field(default_factory=dict)
+
+    @property
+    def kv_identity(self) -> str:
+        """What KV caches are keyed by: the model id, and the RoPE scaling when there is one
+        (scaling changes every cached key without changing a weight)."""
+        scaling = self.config_overrides.get("rope_scaling")
+        if scaling is None:
+            return self.model_id
+        return f"{self.model_id}+rope_scaling={json.dumps(scaling, sort_keys=True)}"
 
 
 def lora_config_from(settings: ModelSettings, num_blocks: int) -> dict:
@@ -86,6 +106,72 @@ def resolve_model_path(settings: ModelSettings) -> tuple[str, str]:
     return source.path, source.model_id
 
 
+def read_config(path_or_id: str) -> dict:
+    """The config.json mlx_lm.load will build from (for a hub id, fetched alone: the load fetches
+    the rest)."""
+    path = Path(path_or_id)
+    if not path.is_dir():
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(path_or_id, "config.json")).parent
+    return load_config(path)
+
+
+def context_window(config: dict, wanted: int | None) -> tuple[int | None, dict]:
+    """(the window to serve, the config entries that give it). The trained window is the
+    config's max_position_embeddings; `wanted` (--context-length) at or below it only lowers the
+    limit. Above it: YaRN, the scaling that keeps the high-frequency (local) RoPE dimensions as
+    trained and interpolates the low ones, which mlx-lm builds for every architecture whose
+    attention reads `rope_scaling` (check_scaled tells the others after the build)."""
+    trained = config.get("max_position_embeddings")
+    if wanted is None or (trained and wanted <= trained):
+        return wanted or trained, {}
+    if not trained:
+        raise ValueError(f"--context-length {wanted}: the model's config.json has no "
+                         "max_position_embeddings, so its trained window is unknown and there "
+                         "is nothing to scale from; leave --context-length unset")
+    # transformers >= 5 nests the scaling under rope_parameters
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("type") or scaling.get("rope_type") or "default"
+    if kind != "default":
+        raise ValueError(f"--context-length {wanted}: this model already scales its RoPE "
+                         f"({kind}, up to {trained} tokens); rlproxy does not scale it again, "
+                         f"so --context-length can be at most {trained}")
+    return wanted, {"max_position_embeddings": wanted, "rope_scaling": {
+        "rope_type": "yarn", "factor": wanted / trained,
+        "original_max_position_embeddings": trained}}
+
+
+def check_scaled(model: nn.Module, config: dict, overrides: dict) -> None:
+    """Raise when the built model did not take the RoPE scaling asked for: its architecture is
+    not RoPE-based, or builds its RoPE without reading rope_scaling."""
+    if "rope_scaling" not in overrides or any(isinstance(m, YarnRoPE) for m in model.modules()):
+        return
+    arch = config.get("model_type")
+    trained = overrides["rope_scaling"]["original_max_position_embeddings"]
+    why = ("builds its RoPE without the rope_scaling config" if any(
+        isinstance(m, nn.RoPE) for m in model.modules()) else "does not use RoPE")
+    raise ValueError(f"--context-length {overrides['max_position_embeddings']}: the {arch} "
+                     f"architecture {why}, so it cannot be served past its trained window of "
+                     f"{trained} tokens; use --context-length {trained} or less")
+
+
+def eval_buffers(model: nn.Module) -> None:
+    """Evaluate the arrays modules keep outside their parameters (the RoPE frequency tables of
+    YaRN and the other scalings, `_freqs`): a graph built here and left lazy would first be
+    evaluated on the engine or trainer thread, where MLX has no stream for it."""
+    mx.eval([v for m in model.modules() for k, v in m.items()
+             if k.startswith("_") and isinstance(v, mx.array)])
+
+
+def architecture(loaded: LoadedModel) -> nn.Module:
+    """A new model object of the served architecture, with its RoPE scaling, weights not read
+    (training copies fill in the serving model's arrays)."""
+    model, _ = mlx_lm.load(loaded.source, lazy=True, model_config=loaded.config_overrides)
+    eval_buffers(model)
+    return model
+
+
 def to_cpu_dtype(model: nn.Module) -> None:
     if not mx.metal.is_available():
         # fp32 on CPU: bf16/fp16 matmuls measured 2-5x slower than fp32 here.
@@ -95,22 +181,31 @@ def to_cpu_dtype(model: nn.Module) -> None:
 def load_base_model(settings: ModelSettings):
     """The base model alone, no adapter: the local judge and OPD teacher."""
     path_or_id, _ = resolve_model_path(settings)
-    model, tokenizer = mlx_lm.load(path_or_id)
+    _, overrides = context_window(read_config(path_or_id), settings.context_length)
+    model, tokenizer = mlx_lm.load(path_or_id, model_config=overrides)
     to_cpu_dtype(model)
     model.freeze()
     model.eval()
     mx.eval(model.parameters())
+    eval_buffers(model)
     return model, tokenizer
 
 
 def load_serving_model(settings: ModelSettings) -> LoadedModel:
     source = resolve_source(settings.model, settings.dequantize)
     path_or_id, model_id = source.path, source.model_id
+    context, overrides = context_window(read_config(path_or_id), settings.context_length)
     model, tokenizer, config = mlx_lm.load(
-        path_or_id, adapter_path=settings.adapter, return_config=True
+        path_or_id, return_config=True, model_config=overrides
     )
+    check_scaled(model, config, overrides)
+    if overrides:
+        trained = overrides["rope_scaling"]["original_max_position_embeddings"]
+        log.warning("--context-length %d: %s was trained on %d tokens; serving %d with YaRN RoPE "
+                    "scaling (x%.3g), so expect lower quality past %d tokens", context, model_id,
+                    trained, context, overrides["rope_scaling"]["factor"], trained)
     if settings.adapter:
-        lora_config = json.loads((Path(settings.adapter) / ADAPTER_CONFIG).read_text())
+        lora_config = load_adapter(model, settings.adapter)
     else:
         lora_config = lora_config_from(settings, len(model.layers))
         linear_to_lora_layers(model, lora_config["num_layers"], lora_config["lora_parameters"])
@@ -121,9 +216,8 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
     model.eval()
     # Concrete arrays only: the engine thread must never evaluate a graph built on this thread.
     mx.eval(model.parameters())
-    context = config.get("max_position_embeddings") or getattr(
-        tokenizer, "model_max_length", 4096
-    )
+    eval_buffers(model)
+    context = context or getattr(tokenizer, "model_max_length", 4096)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -135,7 +229,44 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
                        or config.get("text_config", {}).get("vocab_size") or len(tokenizer)),
         lora_config=lora_config,
         quantize_bits=settings.quantize_bits,
+        config_overrides=overrides,
     )
+
+
+def load_adapter(model: nn.Module, adapter: str) -> dict:
+    """LoRA layers on MODEL from ADAPTER, a folder in mlx-lm's layout or in PEFT's (converted on
+    load, `serving/peft.py`); returns its mlx-lm adapter config. An adapter that does not fit
+    the model is an AdapterError (a ValueError: the CLI prints it as one line)."""
+    folder = Path(adapter)
+    if not peft.is_peft_dir(folder):
+        if not (folder / ADAPTER_CONFIG).is_file():
+            raise AdapterError(f"--adapter {adapter}: no {ADAPTER_CONFIG} there (an mlx-lm or "
+                               "PEFT adapter folder, e.g. a checkpoint step_*)")
+        try:
+            load_adapters(model, str(folder))
+        except ValueError as e:
+            raise AdapterError(f"--adapter {adapter}: {one_line(e)}") from None
+        return json.loads((folder / ADAPTER_CONFIG).read_text())
+    try:
+        weights, lora_config = peft.from_peft(*peft.read_adapter(folder), len(model.layers))
+        with tempfile.TemporaryDirectory(prefix="rlproxy-peft-") as tmp:
+            load_adapters(model, str(peft.write_mlx(Path(tmp), weights, lora_config)))
+    except ValueError as e:
+        raise AdapterError(f"--adapter {adapter}: a PEFT adapter that does not fit this model: "
+                           f"{one_line(e)}") from None
+    return lora_config
+
+
+class AdapterError(ValueError):
+    """An --adapter folder that cannot be loaded onto the model; the message says why."""
+
+
+def one_line(e: Exception) -> str:
+    """mlx-lm lists every misfit tensor on its own line: the first one, and how many more."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if len(lines) <= 2:
+        return " ".join(lines)
+    return f"{lines[1]} (and {len(lines) - 2} more tensors like it)"
 
 
 def quantize_base(model: nn.Module, bits: int | None, group_size: int = 64) -> None:

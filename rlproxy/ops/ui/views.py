@@ -209,6 +209,20 @@ def turn_view(r: dict) -> dict:
     }
 
 
+def pending_view(t) -> dict:
+    """An open turn (its next state not yet here), from the live session: what turn_view shows
+    of a recorded one, less the scoring and training it has not had."""
+    choice = t.choices[t.chosen_choice]
+    return {"uid": t.uid, "index": t.index, "turn_type": t.turn_type, "api": t.api,
+            "pending": True, "received": (t.timings or {}).get("received"),
+            "prompt_tokens": len(t.prompt_ids or ()),
+            "completion_tokens": len(choice.get("completion_ids") or ()),
+            "adapter_versions": sorted(set(choice.get("adapter_versions") or ())),
+            "reply": shorten(choice.get("text")), "tool_calls": choice.get("tool_calls") or [],
+            "prompt_tail": [message_view(m) for m in t.messages[-2:]],
+            "next_state": None, "end": "waiting for the next request"}
+
+
 async def session_detail(request: web.Request) -> web.Response:
     app, sid = request.app, request.match_info["session_id"]
     index = await refreshed(app)
@@ -227,12 +241,7 @@ async def session_detail(request: web.Request) -> web.Response:
     seen = {t["uid"] for t in turns}
     waiting = []
     if live is not None and start + SESSION_PAGE >= total:  # last page: + the in-memory turns
-        waiting = [{"uid": t.uid, "index": t.index, "turn_type": t.turn_type,
-                    "reply": shorten(t.choices[t.chosen_choice]["text"]),
-                    "tool_calls": t.choices[t.chosen_choice]["tool_calls"],
-                    "prompt_tail": [message_view(m) for m in t.messages[-2:]],
-                    "next_state": None, "end": "waiting for the next request"}
-                   for t in live.pending() if t.uid not in seen]
+        waiting = [pending_view(t) for t in live.pending() if t.uid not in seen]
     if not turns and not waiting and live is None:
         raise APIError(404, f"no session {sid!r} in the records", param="session_id",
                        code="session_not_found")

@@ -182,6 +182,23 @@ function messages(list) {
     `${m.role}: ${m.content ?? ""}` + (m.tool_calls ? "\n" + JSON.stringify(m.tool_calls) : ""))));
 }
 
+function plural(n, word) {
+  return `${n} ${word}${n === 1 ? "" : "s"}`;
+}
+
+// What is known of a turn, unknown parts left out (an open turn has no score or training yet).
+function turnHeader(t) {
+  const known = v => v !== undefined && v !== null && v !== "";
+  const tokens = !known(t.prompt_tokens) ? null : known(t.completion_tokens) ?
+    `${fmt(t.prompt_tokens)}+${fmt(t.completion_tokens)} tokens` :
+    `${fmt(t.prompt_tokens)} prompt tokens`;
+  const versions = t.adapter_versions || [];
+  return [`#${t.index}`, t.pending ? "pending" : null, t.turn_type, t.api,
+          known(t.received) ? when(t.received) : null, tokens,
+          versions.length ? "adapter " + versions.map(v => "v" + v).join(",") : null]
+    .filter(known).join(" · ");
+}
+
 function turnCard(t) {
   const calls = (t.tool_calls || []).map(c => `${c.function.name}(${c.function.arguments})`);
   const reward = t.release ? `${fmt(t.release.reward, 2)} (${t.release.reason})` :
@@ -191,9 +208,7 @@ function turnCard(t) {
     (t.trained.time ? ` at ${when(t.trained.time)}` : "") :
     t.skipped ? `skipped: ${t.skipped}` : t.turn_type === "side" ? "no (side turn)" : "not yet";
   return el("div", {class: "card turn", "data-uid": t.uid},
-    el("h3", {}, `#${t.index} · ${t.turn_type} · ${t.api || ""} · ${when(t.received)} · ` +
-      `${fmt(t.prompt_tokens)}+${fmt(t.completion_tokens)} tokens · adapter ` +
-      `${(t.adapter_versions || []).join(",")}`),
+    el("h3", {}, turnHeader(t)),
     el("div", {class: "label"}, "prompt (tail)"), messages(t.prompt_tail || []),
     el("div", {class: "label"}, "reply"), el("pre", {class: "reply"}, t.reply ?? ""),
     calls.length ? el("div", {class: "label"}, "tool calls") : null,
@@ -214,8 +229,9 @@ function pager(d) {
   const link = (start, text) => el("a", {href: "#/session/" + encodeURIComponent(d.id) +
     (start === undefined ? "" : "/" + start)}, text);
   const last = d.start + d.page >= d.recorded_turns;
+  const shown = d.turns.length + d.waiting.length;  // the open turns come on the last page
   return el("p", {class: "pager"},
-    `turns ${d.turns.length ? d.start + 1 : 0}–${d.start + d.turns.length} of ${d.recorded_turns} `,
+    `turns ${shown ? d.start + 1 : 0}–${d.start + shown} of ${d.recorded_turns + d.waiting.length} `,
     d.start > 0 ? link(0, "« first") : null, " ",
     d.start > 0 ? link(Math.max(0, d.start - d.page), "‹ earlier") : null, " ",
     last ? null : link(d.start + d.page, "later ›"), " ",
@@ -227,7 +243,8 @@ async function session(id, start) {
                       (start === undefined ? "" : "?start=" + start));
   return el("div", {},
     el("h2", {}, `Session ${d.id} · ${d.open ? "open" : "closed" + (d.closed ? " (" + d.closed + ")" : "")}` +
-      ` · ${d.recorded_turns} recorded turns`),
+      ` · ${plural(d.recorded_turns + d.waiting.length, "turn")}` +
+      (d.waiting.length ? ` (${d.recorded_turns} recorded, ${d.waiting.length} pending)` : "")),
     pager(d), ...d.turns.map(turnCard), ...d.waiting.map(turnCard),
     d.turns.length > 10 ? pager(d) : null);
 }
@@ -255,7 +272,9 @@ async function adapters() {
         el("td", {}, c.adapter_version + (c.adapter_version === d.served_version ? " (served)" : "")),
         el("td", {}, when(c.time)),
         el("td", {}, fmt(c.reward_mean, 3)), el("td", {}, fmt(c.loss_mean, 4)),
-        el("td", {}, el("a", {href: `/ui/api/adapters/${c.step}.zip`}, "download .zip")),
+        el("td", {}, el("a", {href: `/ui/api/adapters/${c.step}.zip`}, "download .zip"), " ",
+          el("a", {href: `/ui/api/adapters/${c.step}.peft.zip`, class: "peft"},
+             "download as PEFT")),
         el("td", {}, el("button", {onclick: () => {
           if (confirm(`Serve the adapter of step ${c.step} as a new version?`))
             act(`/ui/api/adapters/${c.step}/serve`);

@@ -1,0 +1,171 @@
+"""The `rlproxy connect AGENT` flow: ask the server what it serves, read the agent's config file,
+merge rlproxy's settings in, show the diff, keep the first backup, write atomically; `--undo`
+puts the backup back byte for byte; `--check` then runs one turn through the agent (check.py).
+
+What goes into each agent's file is agents.py's; how each format is read and written,
+formats.py's."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import shutil
+import sys
+import tempfile
+import urllib.error
+from pathlib import Path
+
+from rlproxy.connect import check
+from rlproxy.connect.agents import AGENTS, HERMES_MIN_CONTEXT, Target
+from rlproxy.connect.formats import ConfigError, dump, load
+from rlproxy.ops.status import fetch
+from rlproxy.settings import ModelSettings
+
+PLACEHOLDER_KEY = "rlproxy"  # the server checks no key unless it was started with --api-key
+
+
+def backup_of(path: Path) -> Path:
+    return path.with_name(path.name + ".rlproxy-backup")
+
+
+def created_mark(path: Path) -> Path:
+    """Present when connect created the file: undo removes it rather than restoring it."""
+    return path.with_name(path.name + ".rlproxy-created")
+
+
+def write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """Write to a temp file beside `path`, then rename over it: never a half-written config."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def served(url: str, key: str, model: str | None) -> tuple[str | None, int | None]:
+    """(the served model name, its context window) from GET /v1/models; (None, None) when the
+    server does not answer. A `model` given by the user picks its card if the server lists it."""
+    try:
+        cards = fetch(f"{url}/v1/models", key)["data"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return None, None
+    card = next((c for c in cards if c["id"] == model), cards[0] if cards else None)
+    if card is None:
+        return None, None
+    return card["id"], card.get("context_length") or card.get("max_input_tokens")
+
+
+def base_url(url: str) -> str:
+    """The server's root: agents that speak OpenAI get <root>/v1, Claude Code the root."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def unified(old: str, new: str, path: Path, existed: bool) -> str:
+    return "".join(difflib.unified_diff(
+        old.splitlines(keepends=True), new.splitlines(keepends=True),
+        fromfile=str(path) if existed else "/dev/null", tofile=str(path)))
+
+
+def undo(path: Path) -> int:
+    backup, mark = backup_of(path), created_mark(path)
+    if backup.exists():
+        os.replace(backup, path)  # the user's own bytes and mode, in one rename
+        mark.unlink(missing_ok=True)
+        print(f"restored {path} from {backup}")
+        return 0
+    if mark.exists():
+        path.unlink(missing_ok=True)
+        mark.unlink()
+        print(f"removed {path} (rlproxy connect had created it)")
+        return 0
+    print(f"rlproxy connect: nothing to undo: no backup {backup} and {path} was not created "
+          "by rlproxy connect", file=sys.stderr)
+    return 1
+
+
+def connect(agent_name: str, target: Target, dry_run: bool) -> int:
+    agent = AGENTS[agent_name]
+    path = Path(os.path.realpath(agent.path()))  # through a symlink: replace its target
+    existed = path.exists()
+    raw = path.read_bytes() if existed else b""
+    try:
+        old = raw.decode("utf-8")
+        doc = load(agent.fmt, old, str(path))
+        agent.merge(doc, target)
+        new = dump(agent.fmt, doc, old)
+    except (ConfigError, UnicodeDecodeError) as e:
+        print(f"rlproxy connect: {e}; nothing written", file=sys.stderr)
+        return 1
+    if dry_run:
+        print(unified(old, new, path, existed) or f"{path}: already connected, no change")
+        print("(dry run: nothing written)")
+        return 0
+    if new == old:
+        print(f"{path}: already connected, no change")
+        return 0
+    backup, mark = backup_of(path), created_mark(path)
+    mode = path.stat().st_mode & 0o777 if existed else 0o600  # it holds the API key
+    if not backup.exists() and not mark.exists():  # the first backup is the user's: keep it
+        if existed:
+            write_atomic(backup, raw, mode)
+        else:
+            write_atomic(mark, b"", 0o600)
+    print(unified(old, new, path, existed), end="")
+    write_atomic(path, new.encode("utf-8"), mode)
+    kept = backup if backup.exists() else None
+    print(f"wrote {path}" + (f" (your original: {kept})" if kept else " (a new file)")
+          + f"; `rlproxy connect {agent_name} --undo` puts it back")
+    return 0
+
+
+def report_window(agent_name: str, context: int | None) -> None:
+    if agent_name != "hermes":
+        return
+    if context is None:
+        print("Hermes Agent needs a model window of at least 64,000 tokens; the server did not "
+              "say its window")
+    elif context < HERMES_MIN_CONTEXT:
+        print(f"warning: the server serves a {context:,}-token window; Hermes Agent refuses "
+              f"models under {HERMES_MIN_CONTEXT:,} tokens. Restart it with "
+              "`rlproxy serve --context-length 65536` (the model's real window stays what it is)")
+    else:
+        print(f"the server serves a {context:,}-token window (Hermes Agent needs at least "
+              f"{HERMES_MIN_CONTEXT:,})")
+
+
+def connect_cmd(args: argparse.Namespace) -> int:
+    agent = AGENTS[args.agent]
+    if args.undo:
+        if args.check or args.dry_run:
+            print("rlproxy connect: --undo takes no --check or --dry-run", file=sys.stderr)
+            return 2
+        return undo(Path(os.path.realpath(agent.path())))
+    url, key = base_url(args.url), args.api_key or PLACEHOLDER_KEY
+    name, context = served(url, key, args.model)
+    if name is None:
+        name = args.model or ModelSettings().model
+        print(f"note: no server answered at {url}/v1/models; using the model name {name!r} and "
+              "leaving the context window to the agent (run connect again once the server is "
+              "up to fill them in)")
+    target = Target(url, args.model or name, key, context)
+    print(f"{agent.name} -> {target.openai_url}, model {target.model}"
+          + (f", {context:,}-token window" if context else ""))
+    rc = connect(args.agent, target, args.dry_run)
+    if rc:
+        return rc
+    report_window(args.agent, context)
+    found = shutil.which(agent.binary)
+    print(f"run it: {agent.run}")
+    print(f"{agent.binary}: " + (found or f"not found on PATH (install: {agent.install})"))
+    if args.check and not args.dry_run:
+        return check.check(agent, target)
+    return 0
