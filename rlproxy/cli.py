@@ -210,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", required=True, choices=("peft", "mlx", "fused", "gguf"))
     e.add_argument("--out", required=True, help="the folder to write")
     add_setting_flag(e, "model")
+    add_setting_flag(e, "context_length")
     e.set_defaults(func=export_cmd)
     d = sub.add_parser("demo", help="watch the proxy learn: a scripted agent, a verifiable "
                        "reward, PPO steps, a plot (SmolLM2 by default; --model tiny: no network)")

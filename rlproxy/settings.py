@@ -92,7 +92,8 @@ class ServerSettings(Section):
         "before streams are ended with an error event and waiting requests get 503")
     hosted_tools: Literal["drop", "reject"] = Field(
         "drop", description="hosted tools a client offers (Codex's web_search ...): drop leaves "
-        "them out of the prompt and says so in the response's tools; reject answers 400")
+        "them out of the prompt and of the response's tools echo (one WARNING per client); "
+        "reject answers 400")
 
 
 class ModelSettings(Section):

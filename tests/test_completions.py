@@ -10,7 +10,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tool_parsers import qwen3_coder
 from transformers import AutoTokenizer
 
-from rlproxy.serving.completions import ChoiceText, token_bytes
+from rlproxy.serving.choice_text import ChoiceText, token_bytes
 from rlproxy.serving.embedded_model import embedded_model_path
 
 ADD = [{"type": "function", "function": {

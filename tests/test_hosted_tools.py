@@ -127,3 +127,41 @@ def test_reject_is_a_400_that_names_the_flag(reject_server, caplog):
             model="m", max_tokens=2, messages=MSG, tools=[A_TOOL, SERVER_TOOL])
     assert e.value.body["type"] == "error" and "--hosted-tools" in e.value.body["error"]["message"]
     assert warnings_in(caplog) == [] and turns(reject_server, "responses", 0) == []
+
+
+@pytest.mark.parametrize("tool, param", [
+    ({**SHELL, "type": "functions"}, "tools[1].type"),  # a typo is not a hosted tool
+    ({k: v for k, v in SHELL.items() if k != "type"}, "tools[1].type"),
+    ({"type": "namespace", "name": "n", "tools": ["shell"]}, "tools[1].tools[0]"),
+    ({"type": "namespace", "name": "n", "tools": [{"type": "fuction"}]}, "tools[1].tools[0].type"),
+])
+def test_a_malformed_tool_is_a_400_naming_it_even_under_drop(drop_server, tool, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        drop_server.client().responses.create(model="m", input="hi", max_output_tokens=2,
+                                              tools=[PLAN, tool])
+    assert e.value.body["param"] == param, e.value.body
+    assert "--hosted-tools drop" not in e.value.body["message"]
+
+
+def test_every_hosted_type_of_the_sdk_is_dropped(drop_server):
+    """The OpenAI SDK's other tool types (tool_param.py's ToolParam union) and dated versions."""
+    hosted = ["web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search",
+              "computer", "computer_use_preview", "mcp", "code_interpreter", "image_generation",
+              "local_shell", "shell", "custom", "tool_search", "apply_patch"]
+    r = drop_server.client().responses.create(
+        model="m", input="hi", max_output_tokens=2,
+        tools=[SHELL, *({"type": t} for t in hosted)])
+    assert [t.name for t in r.tools] == ["shell"]
+
+
+@pytest.mark.parametrize("kind", ["web_search", "bash", "web_search_2025"])
+def test_an_unknown_anthropic_tool_type_is_a_400_under_drop(drop_server, kind):
+    claude = anthropic.Anthropic(base_url=drop_server.url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="m", max_tokens=2, messages=MSG,
+                               tools=[A_TOOL, {**A_TOOL, "name": "w", "type": kind}])
+    assert "tools[1].type" in e.value.body["error"]["message"], e.value.body
+    m = claude.messages.create(model="m", max_tokens=2, messages=MSG, tools=[
+        A_TOOL, {"type": "bash_20250124", "name": "bash"},
+        {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}])
+    assert m.type == "message"

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from rlproxy.api.tags import TurnTags
 from rlproxy.appkeys import MODEL, SCORER, SESSIONS
-from rlproxy.serving.completions import ChoiceText, prompt_opens_reasoning, reasoning_markers
+from rlproxy.serving.choice_text import ChoiceText, prompt_opens_reasoning, reasoning_markers
 from rlproxy.serving.embedded_model import embedded_model_path
 from rlproxy.sessions.store import SessionStore
 from rlproxy.sessions.threads import system_key

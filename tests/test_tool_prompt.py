@@ -17,7 +17,7 @@ from rlproxy.serving.chat_template import FALLBACK_FORMAT
 from rlproxy.serving.chat_template import render_prompt
 from rlproxy.serving.chat_template import supports_tools
 from rlproxy.serving.chat_template import tool_format
-from rlproxy.serving.completions import ChoiceText
+from rlproxy.serving.choice_text import ChoiceText
 
 from conftest import TOOL_PROMPT, TOOL_REPLY, TOOLS, ServerThread, make_settings, read_records
 

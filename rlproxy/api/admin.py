@@ -3,11 +3,11 @@ and hand out a checkpoint as a .zip (mlx-lm's layout, or PEFT's).
 
 `POST /v1/adapters/{step}/serve`, `POST /v1/training/pause`, `POST /v1/training/resume`, all
 behind the API key, and the same handlers under /ui/api/ for the dashboard's buttons (sent with
-its cookie), beside `GET /ui/api/adapters/{step}.zip` and `{step}.peft.zip`: `add_routes` mounts them all. With the
-trainer running, a rollback is done by the trainer on its own thread (its arrays live there:
-`Trainer.rollback`), which publishes the checkpoint as a new adapter version and trains on from
-it. With training off (`--no-train`) the checkpoint's adapter goes to the engine directly.
-Either way the action is a line in training.jsonl.
+its cookie), beside `GET /ui/api/adapters/{step}.zip` and `{step}.peft.zip`: `add_routes` mounts
+them all. With the trainer running, a rollback is done by the trainer on its own thread (its
+arrays live there: `Trainer.rollback`), which publishes the checkpoint as a new adapter version
+and trains on from it. With training off (`--no-train`) the checkpoint's adapter goes to the
+engine directly. Either way the action is a line in training.jsonl.
 """
 
 from __future__ import annotations
@@ -204,7 +204,9 @@ async def download(request: web.Request) -> web.Response:
 
 async def download_peft(request: web.Request) -> web.Response:
     """A checkpoint's adapter in Hugging Face PEFT's layout (vLLM, peft), as a .zip. Converted
-    on the event loop's thread, where the models live: a LoRA adapter converts in ms."""
+    and evaluated on the event loop's thread, where the models live (MLX arrays are made and
+    evaluated where a stream is; a LoRA adapter converts in ms); written and zipped on a pool
+    thread, as download's .zip."""
     import mlx.core as mx
 
     from rlproxy.serving import peft
@@ -217,9 +219,12 @@ async def download_peft(request: web.Request) -> web.Response:
     loaded = app[MODEL]
     try:
         weights, lora_config = peft.read_adapter(path)
-    except peft.PeftError:  # pruned by --keep-checkpoints after the lookup
-        raise APIError(404, f"checkpoint {path.name} was removed meanwhile", param="step",
-                       code="checkpoint_not_found") from None
+    except peft.PeftError as e:
+        if not path.exists():  # pruned by --keep-checkpoints after the lookup
+            raise APIError(404, f"checkpoint {path.name} was removed meanwhile", param="step",
+                           code="checkpoint_not_found") from None
+        raise APIError(409, f"checkpoint {path.name} cannot be read: {e}",
+                       code="checkpoint_unreadable") from None
     problem = layout_mismatch(lora_weights(loaded.model), weights)
     if problem:
         raise unusable(path, ValueError(f"another model or LoRA layout ({problem})"))
@@ -231,16 +236,16 @@ async def download_peft(request: web.Request) -> web.Response:
         app[SETTINGS].model.model, loaded.source), len(loaded.model.layers))
     mx.eval(converted)
 
-    def pack(tmp: Path) -> bytes:
-        folder = peft.write_peft(tmp / path.name, converted, config)
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
-            for name in (peft.PEFT_WEIGHTS, paths.ADAPTER_CONFIG):
-                z.write(folder / name, f"{path.name}-peft/{name}")
-        return buf.getvalue()
+    def pack() -> bytes:
+        with tempfile.TemporaryDirectory(prefix="rlproxy-peft-") as tmp:
+            folder = peft.write_peft(Path(tmp) / path.name, converted, config)
+            buf = io.BytesIO()
+            with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+                for name in (peft.PEFT_WEIGHTS, paths.ADAPTER_CONFIG):
+                    z.write(folder / name, f"{path.name}-peft/{name}")
+            return buf.getvalue()
 
-    with tempfile.TemporaryDirectory(prefix="rlproxy-peft-") as tmp:
-        body = pack(Path(tmp))
+    body = await asyncio.get_running_loop().run_in_executor(None, pack)
     return web.Response(body=body, content_type="application/zip", headers={
         "Content-Disposition": f'attachment; filename="rlproxy-adapter-{path.name}-peft.zip"'})
 

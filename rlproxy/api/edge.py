@@ -23,6 +23,7 @@ Knows nothing of any dialect's fields (protocol.py and api/*_input.py) or of gen
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -66,11 +67,16 @@ class StreamEnded(Exception):
 
 
 def disk_full_error(e: WriteFailed) -> APIError:
-    """A turn whose lines the disk refused: 507, naming the file (nothing of it was kept, so a
-    retry is safe)."""
-    return APIError(507, f"{e.strerror}. Free space on the data directory's disk and retry; the "
-                    "server resumes by itself.", type="server_error", code="insufficient_storage",
-                    headers={"Retry-After": str(DISK_FULL_RETRY_S)})
+    """A turn whose lines the disk refused, naming the file (nothing of it was kept, so a retry
+    is safe): 507 when space ran out, 503 for another write error (a disk remounted read-only,
+    a failing device)."""
+    space = e.cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return APIError(507 if space else 503, f"{e.strerror}. " + (
+        "Free space on the data directory's disk and retry" if space else
+        "Check the data directory's disk and retry") + "; the server resumes by itself once "
+        "writes succeed.", type="server_error",
+        code="insufficient_storage" if space else "records_unwritable",
+        headers={"Retry-After": str(DISK_FULL_RETRY_S)})
 
 
 def error_response(err: APIError, path: str) -> web.Response:

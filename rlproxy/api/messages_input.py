@@ -11,7 +11,8 @@ Accepted and dropped: the `thinking` config and thinking blocks echoed in the hi
 `cache_control`, `citations`, `output_config.effort`, `context_management`. Tools with a
 versioned `type` (server tools such as web_search_20250305, and Anthropic-defined ones such as
 bash_20250124, whose schema the model cannot be shown) are taken out by `drop_server_tools`
-under `--hosted-tools drop` (the default) and are a 400 under `reject`.
+under `--hosted-tools drop` (the default) and are a 400 under `reject`; any other type but
+"custom" (or none) is a 400 under either.
 """
 
 from __future__ import annotations
@@ -220,8 +221,13 @@ def _user(blocks: list, tool_use_ids: set[str], where: str) -> list[dict]:
     return msgs
 
 
+SERVER_TOOL_TYPE = re.compile(r"[a-z_]+_\d{8}")  # web_search_20250305, bash_20250124 ...
+
+
 def server_tool(t: ToolDef) -> bool:
-    return t.type not in (None, "custom")
+    """A tool of Anthropic's versioned types (server tools, Anthropic-defined client tools):
+    --hosted-tools drop leaves these out. Another unknown type stays, for _tools' 400."""
+    return t.type is not None and SERVER_TOOL_TYPE.fullmatch(t.type) is not None
 
 
 def drop_server_tools(req: CountTokensRequest) -> list[str]:
@@ -243,6 +249,10 @@ def _tools(req: CountTokensRequest) -> tuple[list | None, Any, bool]:
                                "supported by rlproxy (--hosted-tools reject; --hosted-tools drop "
                                "leaves it out of the prompt); define it as a custom tool with an "
                                "input_schema", param=f"tools[{i}].type")
+            if t.type not in (None, "custom"):
+                raise APIError(400, f"tools[{i}].type: {shown(t.type)} is not a tool type; "
+                               "define the tool with a name and an input_schema (type absent "
+                               "or \"custom\")", param=f"tools[{i}].type")
             if t.input_schema is None:
                 raise APIError(400, f"tools[{i}].input_schema: Field required",
                                param=f"tools[{i}].input_schema")

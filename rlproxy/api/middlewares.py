@@ -3,8 +3,10 @@ API key.
 
 `errors_middleware` turns every exception a handler raises into an answer: an `APIError` in its
 API's error shape, aiohttp's own HTTP errors (404, 405, 413) worded for agents, a record that
-could not be written because the disk is full (records.py `WriteFailed`) as a 507 Insufficient
-Storage naming the file, with Retry-After (nothing of the turn was kept, so a retry is safe), a
+that could not be written (records.py `WriteFailed`) as a 507 Insufficient Storage when space
+ran out, or a 503 for another disk error, naming the file, with Retry-After (nothing of the
+turn was kept, so a retry is safe; edge.py `disk_full_error`; a stream says it in its own error
+event and ends, `StreamEnded`), a
 client that went away as one INFO line (499), and a bug as a 500 in the same shape, after which
 the server keeps running. `auth_middleware` checks `--api-key` (Bearer, x-api-key, or the dashboard's
 cookie) and keeps the dashboard's POST actions to its own pages.
@@ -46,9 +48,7 @@ async def errors_middleware(request: web.Request, handler):
     except StreamEnded as e:  # a stream that already said what went wrong in its own shape
         log.error("%s %s: %s", request.method, request.path, e.__cause__ or e)
         return e.response
-    except WriteFailed as e:
-        if not e.disk_full:
-            return internal_error(request)
+    except WriteFailed as e:  # the records' disk refused the turn: not a bug, no traceback
         log.error("%s %s: %s", request.method, request.path, e)
         return error_response(disk_full_error(e), request.path)
     except ConnectionError as e:

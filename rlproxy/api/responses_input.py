@@ -10,10 +10,11 @@ Input items, as chat messages: `message` -> a message of its role (text parts jo
 `function_call_output` -> a `tool` message; `reasoning` -> dropped (the model's own thinking is
 not part of the conversation it is shown again, as in the chat templates). Anything else is a 400.
 
-Tools other than function tools (hosted ones: web_search, file_search, code_interpreter, mcp ...;
-and ones without a JSON schema, such as custom) cannot be offered to the model: under
-`--hosted-tools drop` (the default) `drop_hosted_tools` takes them out of the request, so the
-response's `tools` echo lists what the model was offered; under `reject` they are a 400.
+Tools of OpenAI's other types (hosted ones: web_search, file_search, code_interpreter, mcp ...;
+and custom, which has no JSON schema) cannot be offered to the model: under `--hosted-tools
+drop` (the default) `drop_hosted_tools` takes them out of the request, so the response's `tools`
+echo lists what the model was offered; under `reject` they are a 400. A type OpenAI does not
+have (a typo such as "functions", none at all) is a 400 under either.
 """
 
 from __future__ import annotations
@@ -159,9 +160,21 @@ def _function_call(item: dict, where: str) -> dict:
             "function": {"name": name, "arguments": args if args.strip() else "{}"}}
 
 
+# The OpenAI SDK's ToolParam types other than function and namespace (openai/types/responses/
+# tool_param.py): run by OpenAI, or freeform (custom: no JSON schema to offer the model).
+HOSTED_TYPES = frozenset((
+    "file_search", "computer", "computer_use_preview", "mcp", "code_interpreter",
+    "programmatic_tool_calling", "image_generation", "local_shell", "shell", "custom",
+    "tool_search", "apply_patch"))
+HOSTED_PREFIXES = ("web_search", "computer_use")  # dated versions: web_search_2025_08_26 ...
+
+
 def hosted(tool) -> bool:
-    """A tool the model cannot be offered: anything but a function (or a namespace of them)."""
-    return not isinstance(tool, dict) or tool.get("type") not in ("function", "namespace")
+    """A tool of a known hosted type, which --hosted-tools drop leaves out. Anything else that
+    is not a function (or namespace) stays, for chat_tools' 400 naming it: a typo such as
+    "functions" or a missing type is the client's mistake, not a tool to drop."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    return isinstance(kind, str) and (kind in HOSTED_TYPES or kind.startswith(HOSTED_PREFIXES))
 
 
 def drop_hosted_tools(r: ResponsesRequest) -> list[str]:
@@ -170,12 +183,12 @@ def drop_hosted_tools(r: ResponsesRequest) -> list[str]:
     dropped, kept = [], []
     for t in r.tools or []:
         if hosted(t):
-            dropped.append(str(t.get("type") if isinstance(t, dict) else t))
+            dropped.append(t["type"])
             continue
-        if t["type"] == "namespace" and isinstance(t.get("tools"), list):
+        if isinstance(t, dict) and t.get("type") == "namespace" and isinstance(
+                t.get("tools"), list):
             inner = [x for x in t["tools"] if not hosted(x)]
-            dropped += [str(x.get("type") if isinstance(x, dict) else x)
-                        for x in t["tools"] if hosted(x)]
+            dropped += [x["type"] for x in t["tools"] if hosted(x)]
             if not inner and t["tools"]:
                 continue
             t = {**t, "tools": inner}
@@ -203,16 +216,21 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
                            param=f"{where}.tools")
         for j, tool in enumerate(group):
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                at = f"{where}.tools[{j}]" if t.get("type") == "namespace" else where
+            at = f"{where}.tools[{j}]" if t.get("type") == "namespace" else where
+            if kind != "function" and hosted(tool):
                 raise APIError(400, f"{at}.type: tool type {shown(kind)} is not supported; rlproxy "
                                "offers the model function tools only, which the client runs, "
                                "and refuses others under --hosted-tools reject (--hosted-tools "
                                "drop leaves them out of the prompt instead)",
                                param=f"{at}.type", code="unsupported_tool_type")
+            if kind != "function":
+                field, what = (at, "a tool must be an object") if not isinstance(tool, dict) else (
+                    f"{at}.type", "missing" if kind is None else f"{shown(kind)} is not a tool type")
+                raise APIError(400, f"{field}: {what}; send function tools ({{\"type\": "
+                               "\"function\", \"name\": ..., \"parameters\": {...}}) or a "
+                               "namespace of them", param=field, code="invalid_value")
             fn = {k: tool[k] for k in ("name", "description", "parameters", "strict")
                   if k in tool}
-            at = f"{where}.tools[{j}]" if t.get("type") == "namespace" else where
             protocol.validate(protocol.FunctionDef, fn, prefix=at)  # named as sent, flat
             out.append({"type": "function", "function": fn})
     return out

@@ -352,7 +352,7 @@ class SseResponse(web.StreamResponse):
         try:
             await asyncio.shield(durable)
         except WriteFailed as e:  # the turn was not kept: say so in the stream, then end it
-            if not e.disk_full or self.on_disk_full is None:
+            if self.on_disk_full is None:
                 raise
             self.disk_full = e
             await self.on_disk_full(disk_full_error(e))

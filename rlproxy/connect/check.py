@@ -43,6 +43,12 @@ def check(agent: Agent, target: Target) -> int:
         return 1
     try:
         before = sessions(target)
+    except urllib.error.HTTPError as e:  # a URLError too: it answered, and said no
+        wants = " (it was started with --api-key: pass the same key with --api-key)" if (
+            e.code in (401, 403)) else ""
+        print(f"--check: the server at {target.url} answered {e.code} to GET /v1/sessions"
+              f"{wants}", file=sys.stderr)
+        return 1
     except (urllib.error.URLError, OSError) as e:
         print(f"--check: the server at {target.url} does not answer ({e}); start it with "
               "`rlproxy serve` first", file=sys.stderr)
@@ -53,8 +59,9 @@ def check(agent: Agent, target: Target) -> int:
         done = subprocess.run([binary, *agent.check[1:]], stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=TIMEOUT_S)
         rc, out = done.returncode, (done.stdout or "") + (done.stderr or "")
-    except subprocess.TimeoutExpired as e:
-        rc, out = "timed out", str(e.stdout or "")
+    except subprocess.TimeoutExpired as e:  # its output comes as bytes, whatever text= said
+        rc, out = "timed out", "".join((b or b"").decode("utf-8", errors="replace")
+                                       for b in (e.stdout, e.stderr))
     tail = "\n".join(out.strip().splitlines()[-5:])
     print(f"{agent.binary} exited {rc}" + (f"; its last lines:\n{tail}" if tail else ""))
     landed = new_turns(target, before)

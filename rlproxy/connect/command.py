@@ -50,11 +50,20 @@ def write_atomic(path: Path, data: bytes, mode: int) -> None:
         raise
 
 
+class KeyRefused(Exception):
+    """The server answered 401/403: it wants an API key connect was not given (or another)."""
+
+
 def served(url: str, key: str, model: str | None) -> tuple[str | None, int | None]:
     """(the served model name, its context window) from GET /v1/models; (None, None) when the
     server does not answer. A `model` given by the user picks its card if the server lists it."""
     try:
         cards = fetch(f"{url}/v1/models", key)["data"]
+    except urllib.error.HTTPError as e:  # a URLError too: it answered, and said no
+        if e.code in (401, 403):
+            raise KeyRefused(f"the server at {url} answered {e.code} to GET /v1/models: it was "
+                             "started with --api-key; pass the same key with --api-key") from None
+        return None, None
     except (urllib.error.URLError, OSError, ValueError, KeyError):
         return None, None
     card = next((c for c in cards if c["id"] == model), cards[0] if cards else None)
@@ -150,7 +159,11 @@ def connect_cmd(args: argparse.Namespace) -> int:
             return 2
         return undo(Path(os.path.realpath(agent.path())))
     url, key = base_url(args.url), args.api_key or PLACEHOLDER_KEY
-    name, context = served(url, key, args.model)
+    try:
+        name, context = served(url, key, args.model)
+    except KeyRefused as e:
+        print(f"rlproxy connect: {e}; nothing written", file=sys.stderr)
+        return 1
     if name is None:
         name = args.model or ModelSettings().model
         print(f"note: no server answered at {url}/v1/models; using the model name {name!r} and "
@@ -166,6 +179,8 @@ def connect_cmd(args: argparse.Namespace) -> int:
     found = shutil.which(agent.binary)
     print(f"run it: {agent.run}")
     print(f"{agent.binary}: " + (found or f"not found on PATH (install: {agent.install})"))
-    if args.check and not args.dry_run:
+    if args.check and args.dry_run:
+        print("--check skipped: a dry run writes no config for the agent to run with")
+    elif args.check:
         return check.check(agent, target)
     return 0

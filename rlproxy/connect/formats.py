@@ -19,11 +19,35 @@ class ConfigError(ValueError):
     """The existing file cannot be merged into without losing something; says what to do."""
 
 
-def _yaml() -> YAML:
+KEY_LINE = re.compile(r"( *)[^\s#-][^#]*:(\s|$)")  # `key:` or `key: value`, at its indent
+DASH_LINE = re.compile(r"( *)- +\S")
+
+
+def yaml_indent(text: str) -> dict:
+    """ruamel's indent(mapping, sequence, offset) as TEXT already has it, so lines connect does
+    not touch keep their bytes: the first nested key's indent, and where the first list's dashes
+    stand under their key (PyYAML's default: at the key's column; others: indented). A new file,
+    or one without nesting or lists: 2-space mappings, dashes indented by 2."""
+    mapping, offset, sequence = 2, 2, 4
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    nested = next((m for m in map(KEY_LINE.match, lines) if m and m.group(1)), None)
+    if nested:
+        mapping = len(nested.group(1))
+        offset, sequence = mapping, mapping + 2
+    for above, line in zip(lines, lines[1:]):
+        dash, key = DASH_LINE.match(line), KEY_LINE.match(above)
+        if dash and key and not above.lstrip().startswith("-"):
+            offset = len(dash.group(1)) - len(key.group(1))
+            sequence = offset + len(dash.group(0)) - 1 - len(dash.group(1))
+            break
+    return {"mapping": mapping, "sequence": sequence, "offset": offset}
+
+
+def _yaml(text: str = "") -> YAML:
     y = YAML()  # round-trip: comments, order and quoting survive a load and dump
     y.preserve_quotes = True
     y.width = 4096  # never re-wrap the user's long strings
-    y.indent(mapping=2, sequence=4, offset=2)
+    y.indent(**yaml_indent(text))
     return y
 
 
@@ -59,7 +83,7 @@ def dump(fmt: str, doc, original: str = "") -> str:
         return tomlkit.dumps(doc)
     if fmt == "yaml":
         out = io.StringIO()
-        _yaml().dump(doc, out)
+        _yaml(original).dump(doc, out)
         return out.getvalue()
     indent = re.search(r"^\{\s*\n([ \t]+)\S", original)
     return json.dumps(doc, indent=indent.group(1) if indent else 2, ensure_ascii=False) + "\n"

@@ -114,7 +114,7 @@ def number_token_ids(model_dir: Path) -> frozenset[int]:
     """Ids of the number tokens of MODEL_DIR's tokenizer."""
     from transformers import AutoTokenizer
 
-    from rlproxy.serving.completions import token_bytes
+    from rlproxy.serving.choice_text import token_bytes
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     return frozenset(i for i in tok.get_vocab().values() if is_number_token(token_bytes(tok, i)))

@@ -4,7 +4,7 @@ Owns: `render_prompt` (the one way a conversation becomes prompt ids: requests, 
 teacher prompts, eval prompts), whether a model's chat template renders tools (probed once per
 tokenizer), and the fallback tool format for templates that do not, with the tool-call format
 the model's output is parsed in (`tool_format`). Does not own parsing requests (protocol.py) or
-turning output into tool calls (serving/completions.py, which asks `tool_format` what to look for).
+turning output into tool calls (serving/choice_text.py, which asks `tool_format` what to look for).
 
 A template renders tools when, given a probe tool and a probe assistant tool call, both names
 appear in its output. One that does renders exactly as `apply_chat_template` always did.

@@ -248,7 +248,11 @@ def load_adapter(model: nn.Module, adapter: str) -> dict:
             raise AdapterError(f"--adapter {adapter}: {one_line(e)}") from None
         return json.loads((folder / ADAPTER_CONFIG).read_text())
     try:
-        weights, lora_config = peft.from_peft(*peft.read_adapter(folder), len(model.layers))
+        stored = peft.read_adapter(folder)
+    except peft.PeftError as e:
+        raise AdapterError(f"--adapter: {e}") from None
+    try:
+        weights, lora_config = peft.from_peft(*stored, len(model.layers))
         with tempfile.TemporaryDirectory(prefix="rlproxy-peft-") as tmp:
             load_adapters(model, str(peft.write_mlx(Path(tmp), weights, lora_config)))
     except ValueError as e:

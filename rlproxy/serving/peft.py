@@ -12,7 +12,7 @@ lora_alpha = scale * r. Module paths are the same in both for the architectures 
 tests/data/peft/).
 
 Knows nothing of models or serving: `serving/model.py` loads a converted adapter, `training/
-export.py` writes one, and the Tinker API can hand `from_peft` weights it downloaded.
+export.py` and the dashboard's download (api/admin.py) write one.
 """
 
 from __future__ import annotations
@@ -118,9 +118,10 @@ def from_peft(weights: dict[str, mx.array], config: dict,
 
 
 def is_peft_dir(folder: Path) -> bool:
-    """A folder in PEFT's layout (mlx-lm's uses other file names)."""
+    """A folder in PEFT's layout: its adapter_config.json has a peft_type (mlx-lm's has none),
+    whichever weights file is beside it."""
     folder = Path(folder)
-    if not (folder / PEFT_WEIGHTS).is_file() or not (folder / ADAPTER_CONFIG).is_file():
+    if not (folder / ADAPTER_CONFIG).is_file():
         return False
     try:
         return "peft_type" in json.loads((folder / ADAPTER_CONFIG).read_text())
@@ -131,7 +132,13 @@ def is_peft_dir(folder: Path) -> bool:
 def read_adapter(folder: Path) -> tuple[dict[str, mx.array], dict]:
     """(weights, adapter_config) of a folder in either layout, as stored."""
     folder = Path(folder)
-    weights = folder / (PEFT_WEIGHTS if is_peft_dir(folder) else MLX_WEIGHTS)
+    is_peft = is_peft_dir(folder)
+    weights = folder / (PEFT_WEIGHTS if is_peft else MLX_WEIGHTS)
+    if is_peft and not weights.is_file():
+        found = ", ".join(sorted(p.name for p in folder.glob("adapter_model*"))) or "none"
+        raise PeftError(f"{folder}: a PEFT adapter without {PEFT_WEIGHTS} (weights files: "
+                        f"{found}); only safetensors load: save it with "
+                        "save_pretrained(..., safe_serialization=True)")
     if not weights.is_file() or not (folder / ADAPTER_CONFIG).is_file():
         raise PeftError(f"{folder}: not an adapter folder (no {MLX_WEIGHTS} or {PEFT_WEIGHTS} "
                         f"beside an {ADAPTER_CONFIG})")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 
 from rlproxy.lru import LRU
 from rlproxy.paths import CONVERSATIONS, PENDING
+from rlproxy.protocol import shown
 from rlproxy.records import JsonlWriter, all_written, compact_pending, load_pending, read_jsonl
 from rlproxy.sessions import threads as rules
 from rlproxy.sessions.replay import ReplayCache
@@ -78,15 +79,21 @@ class SessionStore:
         self._reopen: LRU[str, tuple[int, bool]] = LRU(max_items=KEEP_CLOSED_IDS)
         for r in read_jsonl(self.data_dir / CONVERSATIONS):
             recorded.add(r.get("uid"))
-            sid = r.get("session_id")
-            nxt = max(self._reopen.pop(sid, (0, False))[0], r.get("index", 0) + 1)
-            self._reopen.put(sid, (nxt, False))
+            sid, index = r.get("session_id"), r.get("index", 0)
+            if isinstance(sid, str) and isinstance(index, int):
+                nxt = max(self._reopen.pop(sid, (0, False))[0], index + 1)
+                self._reopen.put(sid, (nxt, False))
         self.conversations = JsonlWriter(self.data_dir / CONVERSATIONS, fsync=fsync)
         pending = [e for e in load_pending(self.data_dir / PENDING) if e["uid"] not in recorded]
         compact_pending(self.data_dir / PENDING, pending)
         self.journal = JsonlWriter(self.data_dir / PENDING, fsync=fsync)
         for entry in pending:
-            self._restore(entry)
+            try:
+                self._restore(entry)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                # kept in the journal (nothing is deleted), skipped here: the server starts
+                log.warning("%s: pending turn %s cannot be restored (%s: %s); left in the file",
+                            self.data_dir / PENDING, shown(entry.get("uid")), type(e).__name__, e)
 
     def close(self) -> None:
         self.conversations.close()
@@ -195,9 +202,10 @@ class SessionStore:
 
     def complete(self, place: Placement, turn: Turn, session_done: bool) -> Future:
         """A response finished: file it in its thread, journaled (main) or recorded (side).
-        Sets the turn's thread and its final type. Returns a future done once the turn, and
-        every line this request's resolve and complete queued, is on disk: the caller waits
-        for it before the client is told."""
+        Sets the turn's thread and its final type. Returns the future of the turn's own line
+        (its journal entry, or its record): the caller waits for it before the client is told.
+        Lines of other turns this queued (a superseded or closed turn's record) were journaled
+        before: a failure to write one of them is theirs, never a 507 for this one."""
         session, thread = place.session, place.thread
         turn.thread, turn.turn_type, turn.side_rule = thread.id, place.turn_type, place.side_rule
         turn.no_train = place.no_train
@@ -217,7 +225,7 @@ class SessionStore:
         thread.turns += 1
         thread.last_turn = turn.uid
         if turn.turn_type == "side":
-            self.conversations.write_nowait(turn.record())
+            own = self.conversations.write_nowait(turn.record())
             session.turns.append(turn.summary())
             if not thread.main:  # a side thread continues from its last turn only
                 self._unindex(session, thread)
@@ -225,7 +233,7 @@ class SessionStore:
                 self._index(session, thread, turn)
         elif thread.closed is not None:  # compacted (or the session ended) while it ran
             turn.end = thread.closed
-            self._finish(session, thread, turn)
+            own = self._finish(session, thread, turn)
         else:
             if thread.pending is not None:
                 # Two main turns in flight at once in one thread: the earlier one's
@@ -234,15 +242,15 @@ class SessionStore:
                 self._finish(session, thread, thread.pending)
             if session_done:  # its last turn: recorded at once, no journal entry needed
                 turn.end = "session_done"
-                self._finish(session, thread, turn)
+                own = self._finish(session, thread, turn)
             else:
-                self.journal.write_nowait({**turn.record(), "inferred": session.inferred})
+                own = self.journal.write_nowait({**turn.record(), "inferred": session.inferred})
                 thread.pending = turn
                 self._unindex(session, thread)
                 self._index(session, thread, turn)
         if session_done and self.open.get(session.id) is session:  # not evicted meanwhile
             self._close(session.id, "session_done")
-        return self.flushed()
+        return own
 
     def flushed(self) -> Future:
         """Done once every line queued so far is on disk."""

@@ -10,6 +10,9 @@ trained on. Four formats:
 - gguf: the fused model as one float16 GGUF file (llama.cpp, Ollama, `serve --model x.gguf`).
 Every format first checks that the adapter fits the base model (the same check `serve
 --adapter` makes), so a mismatch is one line and exit status 2, not a file that fails elsewhere.
+An adapter trained under `--context-length` past the base's window learned on YaRN-scaled
+positions: the window comes from the checkpoint's settings (or `--context-length`), the fused
+and GGUF models carry the scaling, and a peft/mlx export says the base must be served with it.
 
 This module writes files only; it serves and trains nothing.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import tempfile
 from argparse import Namespace
 from pathlib import Path
@@ -39,18 +43,20 @@ class ExportError(ValueError):
 
 
 def export_cmd(args: Namespace) -> int:
-    folder, trained_on = adapter_source(args)
-    model = args.model or trained_on or load_settings({}).model.model
+    folder, trained = adapter_source(args)
+    model = args.model or trained.get("model") or load_settings({}).model.model
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not an empty folder: name a new one")
-    written = export(folder, model, args.format, out)
+    written = export(folder, model, args.format, out,
+                     context_length=args.context_length or trained.get("context_length"))
     print(f"{args.format} export of {folder} (base {model}) written to {written}")
     return 0
 
 
-def adapter_source(args: Namespace) -> tuple[Path, str | None]:
-    """(the adapter folder, the model it was trained on when a checkpoint says so)."""
+def adapter_source(args: Namespace) -> tuple[Path, dict]:
+    """(the adapter folder, the model settings it was trained with when a checkpoint says so:
+    `model`, `context_length`; else {})."""
     if args.adapter:
         if args.step is not None:
             raise ExportError("--step picks a checkpoint of a --data-dir; with --adapter, "
@@ -58,7 +64,7 @@ def adapter_source(args: Namespace) -> tuple[Path, str | None]:
         folder = Path(args.adapter)
         if not folder.is_dir():
             raise ExportError(f"--adapter {folder}: no such folder")
-        return folder, None
+        return folder, {}
     data_dir = load_settings({"data_dir": args.data_dir}).records.data_dir
     root = data_dir / CHECKPOINTS
     kept = complete_checkpoints(root)
@@ -73,21 +79,27 @@ def adapter_source(args: Namespace) -> tuple[Path, str | None]:
         raise ExportError(f"no checkpoint in {root}: train first, or name an adapter folder "
                           "with --adapter")
     try:
-        trained_on = json.loads((folder / TRAINER_STATE).read_text())["settings"]["model"]["model"]
+        trained = json.loads((folder / TRAINER_STATE).read_text())["settings"]["model"]
     except (OSError, ValueError, KeyError, TypeError):
-        trained_on = None
-    return folder, trained_on
+        trained = {}
+    return folder, trained if isinstance(trained, dict) else {}
 
 
-def export(folder: Path, model: str, fmt: str, out: Path, dequantize: str = "auto") -> Path:
-    from mlx_lm.utils import load_config
-
-    from rlproxy.serving.model import resolve_source
+def export(folder: Path, model: str, fmt: str, out: Path, dequantize: str = "auto",
+           context_length: int | None = None) -> Path:
+    from rlproxy.serving.model import context_window, read_config, resolve_source
 
     source = resolve_source(model, dequantize)
-    config = load_config(Path(source.path))
+    base = local_folder(source.path)
+    config = read_config(str(base))
+    context, overrides = context_window(config, context_length)
     weights, lora_config = mlx_adapter(folder, config["num_hidden_layers"])
-    check_fits(source.path, weights, lora_config)
+    check_fits(base, weights, lora_config, overrides)
+    if overrides and fmt in ("mlx", "peft"):
+        print(f"warning: this adapter was trained on a {context:,}-token window, YaRN-scaled "
+              f"from the base's {config['max_position_embeddings']:,}: serve the base with the "
+              f"same RoPE scaling (`rlproxy serve --context-length {context}`; elsewhere "
+              f"rope_scaling {json.dumps(overrides['rope_scaling'])})", file=sys.stderr)
     if fmt == "mlx":
         return peft.write_mlx(out, weights, lora_config)
     if fmt == "peft":
@@ -97,7 +109,7 @@ def export(folder: Path, model: str, fmt: str, out: Path, dequantize: str = "aut
     with tempfile.TemporaryDirectory(prefix="rlproxy-export-") as tmp:
         adapter_dir = peft.write_mlx(Path(tmp) / "adapter", weights, lora_config)
         if fmt == "fused":
-            return fused(source.path, adapter_dir, out)
+            return fused(base, adapter_dir, out, overrides)
         gguf_file = source_gguf(model)
         if gguf_file is None and config["model_type"] not in MLX_GGUF_TYPES:
             raise ExportError(
@@ -105,7 +117,7 @@ def export(folder: Path, model: str, fmt: str, out: Path, dequantize: str = "aut
                 f"smollm2-135m-instruct, or --model file.gguf; architectures llama, qwen2, "
                 f"qwen3) and, through mlx-lm's converter, {', '.join(MLX_GGUF_TYPES)} models; "
                 f"this base is a {config['model_type']!r} model from {source.origin}")
-        model_dir = fused(source.path, adapter_dir, Path(tmp) / "fused", dequantize=True)
+        model_dir = fused(base, adapter_dir, Path(tmp) / "fused", overrides, dequantize=True)
         out.mkdir(parents=True, exist_ok=True)
         target = out / f"{Path(source.model_id).name}-rlproxy-f16.gguf"
         if gguf_file is not None:
@@ -113,9 +125,37 @@ def export(folder: Path, model: str, fmt: str, out: Path, dequantize: str = "aut
         else:
             from mlx_lm.gguf import convert_to_gguf
 
-            convert_to_gguf(model_dir, dict(mx.load(str(model_dir / "model.safetensors"))),
-                            load_config(model_dir), str(target))
+            convert_to_gguf(model_dir, model_weights(model_dir), read_config(str(model_dir)),
+                            str(target))
+        if overrides:
+            scale_gguf(target, overrides)
         return target
+
+
+def local_folder(path_or_id: str) -> Path:
+    """The base model's folder on disk; a hub id is fetched once (the files mlx-lm loads), so the
+    config, the fit check and the fuse all read the same files."""
+    if Path(path_or_id).is_dir():
+        return Path(path_or_id)
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        return Path(snapshot_download(path_or_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except (OSError, ValueError) as e:  # offline, no such repo, a malformed id: all end here
+        why = " ".join(str(e).split())
+        raise ExportError(f"--model {path_or_id}: not a folder here, and the Hugging Face hub "
+                          f"did not give it ({why[:200]}); check the network and the id, or name "
+                          "a local mlx-lm model folder") from None
+
+
+def model_weights(model_dir: Path) -> dict[str, mx.array]:
+    """Every weight of an mlx-lm model folder: mlx-lm's save shards big models into
+    model-0000N-of-0000M.safetensors."""
+    weights = {}
+    for file in sorted(model_dir.glob("model*.safetensors")):
+        weights.update(mx.load(str(file)))
+    return weights
 
 
 def check_peft_names(model_type: str) -> None:
@@ -138,22 +178,44 @@ def mlx_adapter(folder: Path, num_blocks: int) -> tuple[dict[str, mx.array], dic
     return weights, config
 
 
-def check_fits(model_path: str, weights: dict[str, mx.array], lora_config: dict) -> None:
-    """The adapter loads onto the base model, by `serve --adapter`'s own loader (on a lazily
-    loaded model: only shapes are read, no weights)."""
+def check_fits(model_dir: Path, weights: dict[str, mx.array], lora_config: dict,
+               overrides: dict | None = None) -> None:
+    """The adapter loads onto the base model (built with OVERRIDES, its RoPE scaling), by `serve
+    --adapter`'s own loader (on a lazily loaded model: only shapes are read, no weights)."""
     from mlx_lm.utils import load_model
 
     from rlproxy.serving.model import load_adapter
 
-    model, _ = load_model(Path(model_path), lazy=True)
+    model, _ = load_model(Path(model_dir), lazy=True, model_config=overrides or {})
     with tempfile.TemporaryDirectory(prefix="rlproxy-export-") as tmp:
         load_adapter(model, str(peft.write_mlx(Path(tmp), weights, lora_config)))
 
 
-def fused(model_path: str, adapter_dir: Path, out: Path, dequantize: bool = False) -> Path:
+def fused(model_dir: Path, adapter_dir: Path, out: Path, overrides: dict,
+          dequantize: bool = False) -> Path:
+    """The fused model, its config.json carrying OVERRIDES (the RoPE scaling the adapter was
+    trained under; it changes no weight, so the merge itself does not need it)."""
     from rlproxy.training.checkpoints import fuse
 
-    return fuse(model_path, adapter_dir, out, dequantize=dequantize)
+    fuse(str(model_dir), adapter_dir, out, dequantize=dequantize)
+    if overrides:
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, **overrides}, indent=4))
+    return out
+
+
+def scale_gguf(target: Path, overrides: dict) -> None:
+    """The YaRN scaling in TARGET's metadata, under llama.cpp's keys (`<arch>.rope.scaling.*`)."""
+    weights, meta = mx.load(str(target), return_metadata=True)
+    arch = str(meta["general.architecture"])
+    scaling = overrides["rope_scaling"]
+    meta.update({
+        f"{arch}.context_length": mx.array(overrides["max_position_embeddings"], dtype=mx.uint32),
+        f"{arch}.rope.scaling.type": "yarn",
+        f"{arch}.rope.scaling.factor": mx.array(scaling["factor"], dtype=mx.float32),
+        f"{arch}.rope.scaling.original_context_length": mx.array(
+            scaling["original_max_position_embeddings"], dtype=mx.uint32)})
+    mx.save_gguf(str(target), weights, meta)
 
 
 def source_gguf(model: str) -> Path | None:
@@ -175,7 +237,7 @@ def write_gguf_like(original: Path, model_dir: Path, target: Path) -> Path:
 
     _, meta = mx.load(str(original), return_metadata=True)
     config = json.loads((model_dir / "config.json").read_text())
-    weights = dict(mx.load(str(model_dir / "model.safetensors")))
+    weights = model_weights(model_dir)
     if config["model_type"] == "llama":  # llama.cpp's row order of Q and K, as in the file
         permute_qk(weights, config)
     block = {v: k for k, v in gguf.BLOCK_NAMES.items()}

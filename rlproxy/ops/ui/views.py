@@ -239,16 +239,16 @@ async def session_detail(request: web.Request) -> web.Response:
     turns = [turn_view(r) for r in records]
     live = app[SESSIONS].find(sid)
     seen = {t["uid"] for t in turns}
-    waiting = []
-    if live is not None and start + SESSION_PAGE >= total:  # last page: + the in-memory turns
-        waiting = [pending_view(t) for t in live.pending() if t.uid not in seen]
+    open_turns = [t for t in live.pending() if t.uid not in seen] if live is not None else []
+    # the open turns are shown on the last page, and counted on every page (the header's total)
+    waiting = [pending_view(t) for t in open_turns] if start + SESSION_PAGE >= total else []
     if not turns and not waiting and live is None:
         raise APIError(404, f"no session {sid!r} in the records", param="session_id",
                        code="session_not_found")
     return json_response({"id": sid, "open": live is not None and live.closed is None,
                           "closed": live.closed if live else None, "recorded_turns": total,
-                          "start": start, "page": SESSION_PAGE, "turns": turns,
-                          "waiting": waiting})
+                          "pending_turns": len(open_turns), "start": start,
+                          "page": SESSION_PAGE, "turns": turns, "waiting": waiting})
 
 
 def checkpoint_rows(app: web.Application, steps: list[dict]) -> list[dict]:

@@ -231,7 +231,7 @@ function pager(d) {
   const last = d.start + d.page >= d.recorded_turns;
   const shown = d.turns.length + d.waiting.length;  // the open turns come on the last page
   return el("p", {class: "pager"},
-    `turns ${shown ? d.start + 1 : 0}–${d.start + shown} of ${d.recorded_turns + d.waiting.length} `,
+    `turns ${shown ? d.start + 1 : 0}–${d.start + shown} of ${d.recorded_turns + d.pending_turns} `,
     d.start > 0 ? link(0, "« first") : null, " ",
     d.start > 0 ? link(Math.max(0, d.start - d.page), "‹ earlier") : null, " ",
     last ? null : link(d.start + d.page, "later ›"), " ",
@@ -243,8 +243,8 @@ async function session(id, start) {
                       (start === undefined ? "" : "?start=" + start));
   return el("div", {},
     el("h2", {}, `Session ${d.id} · ${d.open ? "open" : "closed" + (d.closed ? " (" + d.closed + ")" : "")}` +
-      ` · ${plural(d.recorded_turns + d.waiting.length, "turn")}` +
-      (d.waiting.length ? ` (${d.recorded_turns} recorded, ${d.waiting.length} pending)` : "")),
+      ` · ${plural(d.recorded_turns + d.pending_turns, "turn")}` +
+      (d.pending_turns ? ` (${d.recorded_turns} recorded, ${d.pending_turns} pending)` : "")),
     pager(d), ...d.turns.map(turnCard), ...d.waiting.map(turnCard),
     d.turns.length > 10 ? pager(d) : null);
 }
