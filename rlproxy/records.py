@@ -19,8 +19,9 @@ disk: ENOSPC, EIO) is cut back to the last whole line (`os.ftruncate` to the siz
 no torn line is ever left between whole ones; its waiters get a `WriteFailed` naming the file,
 and `failing()` lists the files whose last write failed until one succeeds again (/healthz,
 /metrics). Apart from that the program never truncates or rewrites a record file. Readers skip a
-final line without its newline (power loss can tear one) and a line that does not parse, each
-with one WARNING naming the file and the byte offset; nothing else. `set_aside` renames a file or
+final line without its newline (power loss can tear one; start-up readers warn of it, live ones
+may see a line being appended) and a line that does not parse or is not a JSON object, each with
+one WARNING naming the file and the byte offset; nothing else. `set_aside` renames a file or
 folder that cannot be read at start to `<name>.corrupt-<time>` (never deleted), with one WARNING.
 
 The pending-turn journal (`pending_turns.jsonl`) is the one internal file: turns whose response
@@ -41,6 +42,8 @@ from pathlib import Path
 from typing import Iterator
 
 import orjson
+
+from rlproxy.lru import LRU
 
 log = logging.getLogger("rlproxy.records")
 
@@ -301,12 +304,20 @@ def all_written(*futures: Future) -> Future:
     return out
 
 
-_warned: set[tuple[str, int, int]] = set()  # (path, offset, length): each bad line warned once
+_warned = LRU(max_items=1024)  # (path, offset) of bad lines warned of: each once, bounded
 
 
-def read_jsonl(path: Path) -> Iterator[dict]:
-    """Every complete, parseable line; a torn or corrupt line is skipped, never fatal, with
-    one WARNING naming the file, the line and its byte offset."""
+def read_jsonl(path: Path, report_cut: bool = False) -> Iterator[dict]:
+    """Every complete line that is a JSON object; a torn or corrupt line, or JSON that is not
+    an object, is skipped, never fatal, with one WARNING naming the file, the line and its byte
+    offset. REPORT_CUT: warn of a last line without its newline too (start-up readers: a write a
+    crash or a full disk cut); a live reader (a file still written) sees one being appended."""
+    for _, record in numbered_jsonl(path, report_cut):
+        yield record
+
+
+def numbered_jsonl(path: Path, report_cut: bool = False) -> Iterator[tuple[int, dict]]:
+    """`read_jsonl` with each object's line number, for readers that warn of a line in turn."""
     path = Path(path)
     if not path.exists():
         return
@@ -315,19 +326,25 @@ def read_jsonl(path: Path) -> Iterator[dict]:
         for number, line in enumerate(f, 1):
             at, offset = offset, offset + len(line)
             if not line.endswith(b"\n"):
-                _warn_once(path, at, line, f"its last line ({number}) is cut short "
-                           f"({len(line)} bytes without a newline: a write a crash or a full "
-                           "disk cut)")
+                if report_cut:
+                    _warn_once(path, at, line, f"its last line ({number}) is cut short "
+                               f"({len(line)} bytes without a newline: a write a crash or a "
+                               "full disk cut)")
                 return
             try:
-                yield orjson.loads(line)
+                record = orjson.loads(line)
             except orjson.JSONDecodeError as e:
                 if line.strip():
                     _warn_once(path, at, line, f"line {number} is not JSON ({e})")
+                continue
+            if isinstance(record, dict):
+                yield number, record
+            else:
+                _warn_once(path, at, line, f"line {number} is not a JSON object")
 
 
 def _warn_once(path: Path, at: int, line: bytes, what: str) -> None:
-    key = (str(path.resolve()), at, len(line))
+    key = (str(path.resolve()), at)
     if key not in _warned:
         _warned.add(key)
         log.warning("%s: %s, at byte offset %d; skipped: %r", path, what, at, line[:80])
@@ -357,15 +374,16 @@ def follow_jsonl(path: Path, poll_s: float = 0.5) -> Iterator[dict]:
 
 
 def load_pending(path: Path) -> list[dict]:
-    """Turns journaled as pending and not yet tombstoned, in journal order."""
+    """Turns journaled as pending and not yet tombstoned, in journal order (start-up)."""
     pending: dict[str, dict] = {}
-    for number, entry in enumerate(read_jsonl(path), 1):
-        uid = entry.get("uid") if isinstance(entry, dict) else None
-        if not isinstance(uid, str):  # JSON, but not a journal entry: never fatal
-            log.warning("%s: entry %d has no uid; skipped: %.80r", path, number, entry)
-        elif entry.get("kind") == "turn":
+    for number, entry in numbered_jsonl(path, report_cut=True):
+        uid = entry.get("uid")
+        if not isinstance(uid, str) or entry.get("kind") not in ("turn", "done"):
+            log.warning("%s: line %d is not a pending turn or its tombstone; skipped: %.80r",
+                        path, number, entry)  # JSON, but not a journal entry: never fatal
+        elif entry["kind"] == "turn":
             pending[uid] = entry
-        elif entry.get("kind") == "done":
+        else:
             pending.pop(uid, None)
     return list(pending.values())
 

@@ -7,6 +7,7 @@ sends one request the way its config says (the real agents were run by hand: doc
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
@@ -18,6 +19,8 @@ from ruamel.yaml import YAML
 
 from conftest import ServerThread, make_settings
 from rlproxy.cli import main
+from rlproxy.connect import check
+from rlproxy.connect.agents import AGENTS, Target
 
 TINY = "rlproxy-embedded-tiny"
 
@@ -305,3 +308,86 @@ def test_check_says_when_the_agent_is_not_installed(home, monkeypatch, server, c
     monkeypatch.setenv("PATH", "/nonexistent")
     assert main(["connect", "hermes", "--url", server.url, "--check"]) == 1
     assert "not installed (install: pip install hermes-agent)" in capsys.readouterr().err
+
+
+def test_a_server_that_wants_a_key_is_said_and_nothing_is_written(home, tmp_path, monkeypatch,
+                                                                  capsys):
+    with ServerThread(make_settings(tmp_path / "keyed", api_key="sekrit")) as keyed:
+        assert main(["connect", "codex", "--url", keyed.url]) == 1
+        err = capsys.readouterr().err
+        assert "answered 401" in err and "--api-key" in err and "nothing written" in err
+        assert not home.exists() or listing(home) == []
+        assert main(["connect", "codex", "--url", keyed.url, "--api-key", "sekrit"]) == 0
+        doc = tomllib.loads((home / ".codex/config.toml").read_text())
+        assert doc["model_providers"]["rlproxy"]["experimental_bearer_token"] == "sekrit"
+        # --check asks the server too: a wrong key there is said as such, not "not answering"
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "codex").write_text("#!/bin/sh\n")
+        (bin_dir / "codex").chmod(0o755)
+        monkeypatch.setenv("PATH", str(bin_dir))
+        wrong = Target(keyed.url, "m", "wrong", None)
+        assert check.check(AGENTS["codex"], wrong) == 1
+        err = capsys.readouterr().err
+        assert "answered 401" in err and "--api-key" in err
+
+
+def test_dry_run_says_the_check_is_skipped(home, server, capsys):
+    assert main(["connect", "codex", "--url", server.url, "--dry-run", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "--check skipped" in out and "nothing written" in out
+    assert not (home / ".codex/config.toml").exists()
+
+
+def test_an_agent_that_times_out_is_reported_with_its_output(home, tmp_path, monkeypatch,
+                                                             server, capsys):
+    """subprocess hands a timed-out child's output over as bytes, even with text=True."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "codex").write_text(f"#!{sys.executable}\nimport sys, time\n"
+                                   "sys.stdout.buffer.write(b'thinking \\xff...\\n')\n"
+                                   "sys.stdout.flush()\ntime.sleep(60)\n")
+    (bin_dir / "codex").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(check, "TIMEOUT_S", 2)
+    assert main(["connect", "codex", "--url", server.url, "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "codex exited timed out; its last lines:\nthinking \ufffd..." in out
+
+
+# PyYAML's default (list dashes at their key's column) and a 4-space file
+HERMES_STYLES = ["""\
+model:
+  default: anthropic/claude-opus-4.6   # mine
+  provider: openrouter
+toolsets:
+- hermes-cli
+- web
+agent:
+  max_turns: 60
+  disabled:
+  - a: 1
+    b: [x, y]
+""", """\
+model:
+    default: anthropic/claude-opus-4.6
+    provider: openrouter
+toolsets:
+    - hermes-cli
+    - web
+agent:
+    max_turns: 60
+"""]
+
+
+@pytest.mark.parametrize("text", HERMES_STYLES)
+def test_yaml_lines_connect_does_not_touch_keep_their_bytes(text, home, server):
+    path = home / ".hermes/config.yaml"
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    assert main(["connect", "hermes", "--url", server.url]) == 0
+    new = path.read_text()
+    removed = [ln[2:] for ln in difflib.ndiff(text.splitlines(), new.splitlines())
+               if ln.startswith("- ")]
+    assert removed == [ln for ln in text.splitlines()[1:3]], removed  # model's two lines only
+    assert new.split("toolsets:")[1] == text.split("toolsets:")[1]

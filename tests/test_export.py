@@ -234,3 +234,95 @@ def test_gguf_export_of_smollm2_loads_back_with_the_same_logprobs(tmp_path):
     assert back.tokenizer.encode("The capital of France is Paris, and of Italy, Rome.") == tokens
     a, b = sequence_logprobs(m.model, tokens), sequence_logprobs(back.model, tokens)
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_line(tmp_path, capsys):
+    """No network here: the hub fetch fails, and says so in one line (no traceback)."""
+    err = one_line_error(capsys, "--adapter", str(DATA / "qwen3-tiny"), "--model",
+                         "nobody/no-such-model", "--format", "peft", "--out", str(tmp_path / "o"))
+    assert "--model nobody/no-such-model: not a folder here" in err and "hub" in err
+
+
+def test_a_sharded_fused_model_is_read_whole(data_dir, tmp_path, monkeypatch):
+    """mlx-lm's save shards past 5 GB (whole GB only): made to cut three shards here, as it
+    does for a big model (its own file names and index)."""
+    import mlx_lm.utils
+
+    from rlproxy.training.export import model_weights
+
+    monkeypatch.setattr(mlx_lm.utils, "make_shards",
+                        lambda w: [dict(list(w.items())[i::3]) for i in range(3)])
+    assert export("--data-dir", str(data_dir), "--format", "fused", "--out",
+                  str(tmp_path / "f")) == 0
+    shards = sorted((tmp_path / "f").glob("model-*.safetensors"))
+    index = json.loads((tmp_path / "f" / "model.safetensors.index.json").read_text())
+    assert len(shards) > 1 and model_weights(tmp_path / "f").keys() == index["weight_map"].keys()
+
+
+def test_an_adapter_trained_on_a_scaled_window_keeps_its_scaling(taught_adapter, tmp_path,
+                                                                 capsys):
+    """A checkpoint trained under --context-length past tiny's 131,072: the fused model carries
+    the YaRN scaling, a PEFT export says the base needs it; --context-length on export too."""
+    from mlx_lm.models.rope_utils import YarnRoPE
+
+    weights = mx.load(str(taught_adapter / "adapters.safetensors"))
+    config = json.loads((taught_adapter / "adapter_config.json").read_text())
+    save_checkpoint(tmp_path / "d" / "checkpoints", 1, 1, weights, {}, config,
+                    {"model": {"model": "tiny", "context_length": 262144}})
+    assert export("--data-dir", str(tmp_path / "d"), "--format", "fused", "--out",
+                  str(tmp_path / "f")) == 0
+    fused = json.loads((tmp_path / "f" / "config.json").read_text())
+    assert fused["max_position_embeddings"] == 262144
+    assert fused["rope_scaling"]["rope_type"] == "yarn" and fused["rope_scaling"]["factor"] == 2
+    model, _ = mlx_lm.load(str(tmp_path / "f"))
+    assert any(isinstance(m, YarnRoPE) for m in model.modules())
+    capsys.readouterr()
+    assert export("--adapter", str(taught_adapter), "--model", "tiny", "--context-length",
+                  "262144", "--format", "peft", "--out", str(tmp_path / "p")) == 0
+    err = capsys.readouterr().err
+    assert "262,144-token window" in err and "--context-length 262144" in err
+
+
+def test_a_peft_adapter_saved_as_bin_says_how_to_save_it(tmp_path, capsys):
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text((DATA / "qwen3-tiny" / "adapter_config.json")
+                                                .read_text())
+    (folder / "adapter_model.bin").write_bytes(b"torch pickle")
+    with pytest.raises(AdapterError, match=r"adapter_model\.bin.*safe_serialization=True"):
+        load_serving_model(ModelSettings(model="tiny", adapter=str(folder)))
+    err = one_line_error(capsys, "--adapter", str(folder), "--format", "mlx", "--model", "tiny",
+                         "--out", str(tmp_path / "o"))
+    assert "safe_serialization=True" in err
+
+
+def test_the_dashboards_peft_download(tiny, taught_adapter, tmp_path):
+    """GET /ui/api/adapters/{step}.peft.zip: a zip peft's layout reads back to the checkpoint's
+    weights; a missing step is a 404; a checkpoint of another layout, or unreadable, a 409."""
+    import io
+    import zipfile
+
+    import requests
+
+    adapter = mx.load(str(taught_adapter / "adapters.safetensors"))
+    root = tmp_path / "data" / "checkpoints"
+    save_checkpoint(root, 1, 1, adapter, {}, tiny.lora_config, {})
+    narrow = {k: v[:4] if k.endswith("lora_a") else v for k, v in adapter.items()}
+    save_checkpoint(root, 2, 2, narrow, {}, tiny.lora_config, {})
+    save_checkpoint(root, 3, 3, adapter, {}, tiny.lora_config, {})
+    (root / "step_000003" / "adapters.safetensors").write_bytes(b"not safetensors")
+    with ServerThread(make_settings(tmp_path / "data"), tiny) as s:
+        get = lambda step: requests.get(f"{s.url}/ui/api/adapters/{step}.peft.zip")  # noqa: E731
+        got, missing, misfit, broken = get(1), get(9), get(2), get(3)
+    assert got.status_code == 200 and got.headers["Content-Type"] == "application/zip"
+    with zipfile.ZipFile(io.BytesIO(got.content)) as z:
+        z.extractall(tmp_path / "zip")
+    (folder,) = (tmp_path / "zip").iterdir()
+    weights, _ = peft.from_peft(*peft.read_adapter(folder), len(tiny.model.layers))
+    assert weights.keys() == adapter.keys()
+    assert all(mx.array_equal(weights[k], adapter[k]).item() for k in adapter)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "checkpoint_not_found"
+    assert misfit.status_code == 409 and "another model or LoRA layout" in misfit.text
+    assert broken.status_code == 409
+    assert broken.json()["error"]["code"] == "checkpoint_unreadable", broken.text

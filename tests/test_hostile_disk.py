@@ -101,7 +101,7 @@ def check_full(url: str, data: Path, acked: list[str]) -> None:
         assert r.status_code == 507, (api, r.status_code, r.text)
         assert r.headers["Retry-After"].isdigit()
         body = r.json()
-        error = body["error"] if api == "chat" else body["error"]
+        error = body["error"]  # both shapes nest it; the Anthropic one also says "type": "error"
         if api == "messages":
             assert body["type"] == "error" and error["type"] == "api_error", body
         else:
@@ -218,13 +218,21 @@ def test_a_write_that_fails_is_cut_back_and_the_server_recovers(tiny, tmp_path, 
 
 
 def test_a_cut_last_line_is_reported_with_its_offset(tmp_path, caplog):
+    """At start (report_cut) a cut last line is named with its offset; a live reader, which may
+    see a line still being appended, skips it without a word. JSON that is not an object is
+    skipped too, named; each bad line is warned of once."""
     path = tmp_path / "conversations.jsonl"
-    path.write_bytes(b'{"uid": "a"}\nnot json\n{"uid": "b"}\n{"uid": "c", "cut')
+    path.write_bytes(b'{"uid": "a"}\nnot json\n0\n{"uid": "b"}\n[1]\nnull\n{"uid": "c", "cut')
     caplog.set_level(logging.WARNING, logger="rlproxy.records")
-    assert [r["uid"] for r in records.read_jsonl(path)] == ["a", "b"]
+    assert [r["uid"] for r in records.read_jsonl(path)] == ["a", "b"]  # a live reader
     text = caplog.text
     assert f"{path}: line 2 is not JSON" in text and "byte offset 13" in text, text
-    assert "last line (4) is cut short" in text and "byte offset 35" in text, text
+    assert "line 3 is not a JSON object" in text and "line 5 is not a JSON object" in text
+    assert "cut short" not in text, text
+    caplog.clear()
+    assert [r["uid"] for r in records.read_jsonl(path, report_cut=True)] == ["a", "b"]
+    assert "last line (7) is cut short" in caplog.text and "byte offset 46" in caplog.text
+    assert "line 2" not in caplog.text, "warned twice of one line"
     w = records.JsonlWriter(path)  # the next line starts on a line of its own
     w.write({"uid": uuid.uuid4().hex})
     w.close()
@@ -233,22 +241,31 @@ def test_a_cut_last_line_is_reported_with_its_offset(tmp_path, caplog):
 
 def test_training_waits_for_space_and_charges_no_turn(tmp_path, monkeypatch):
     """The trainer thread on a full disk: its journal lines are refused, the batch waits (the
-    error on /healthz says so) and trains once there is space; no turn is charged."""
+    error on /healthz says so) and trains once there is space; no turn is charged. Then a step
+    whose start is written but whose end the disk refuses: the end is written before the next
+    step's start, so a restart finds no open step to charge, though the process was proven."""
     from rlproxy.serving.model import load_serving_model
     from rlproxy.settings import ModelSettings
-    from rlproxy.training import loop
+    from rlproxy.training import control, loop
+    from rlproxy.training.journal import StepJournal, read_journal
     from test_poison import make_scored, trained_uids
 
     own = load_serving_model(ModelSettings(model="tiny"))
-    real_write, full = records.os_write, [False]
+    real_write, full, ends_refused = records.os_write, [False], [False]
 
     def write(fd, data):
-        if full[0]:
+        if full[0] or (ends_refused[0] and b'"kind":"step_end"' in bytes(data)):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
+    def wait(check, what):
+        deadline = time.monotonic() + 60
+        while not check():
+            assert time.monotonic() < deadline, (what, trainer.error)
+            time.sleep(0.05)
+
     monkeypatch.setattr(records, "os_write", write)
-    monkeypatch.setattr(loop, "DISK_RETRY_S", 0.2)
+    monkeypatch.setattr(control, "DISK_RETRY_S", 0.2)
     trainer = loop.Trainer(make_settings(tmp_path, train=True, batch_size=1, baseline="none"),
                            loop.training_copy(own), own.lora_config, data_dir=tmp_path,
                            vocab_size=own.vocab_size)
@@ -256,17 +273,31 @@ def test_training_waits_for_space_and_charges_no_turn(tmp_path, monkeypatch):
     try:
         full[0] = True
         trainer.submit(make_scored(own, "a", [5, 6, 7]))
-        deadline = time.monotonic() + 30
-        while not (trainer.error or "").startswith("training waits for disk space"):
-            assert time.monotonic() < deadline, trainer.error
-            time.sleep(0.05)
+        wait(lambda: (trainer.error or "").startswith("training waits for disk space"), "wait")
         assert trainer.alive and "train_journal.jsonl" in trainer.error
         full[0] = False
-        while "a" not in trained_uids(tmp_path):
-            assert time.monotonic() < deadline, trainer.error
-            time.sleep(0.05)
+        wait(lambda: "a" in trained_uids(tmp_path), "a trained")
         assert trainer.error is None and not trainer.journal.failures
-        assert not trainer.journal.quarantined
+        assert not trainer.journal.quarantined and trainer.journal.proven
+        ends_refused[0] = True  # b's start is written, its end refused
+        trainer.submit(make_scored(own, "b", [6, 7, 8]))
+        wait(lambda: "b" in trained_uids(tmp_path), "b trained")
+        ends_refused[0] = False  # space again: c's start writes b's end first
+        trainer.submit(make_scored(own, "c", [7, 8, 9]))
+        wait(lambda: "c" in trained_uids(tmp_path), "c trained")
     finally:
         trainer.stop()
-    assert_whole_lines(tmp_path)
+    files = assert_whole_lines(tmp_path)
+    lines = [(ln["kind"], ln.get("n")) for ln in files["train_journal.jsonl"]
+             if ln["kind"].startswith("step_")]
+    b = next(ln["n"] for ln in files["train_journal.jsonl"]
+             if ln["kind"] == "step_start" and ln["uids"] == ["b"])
+    assert lines.index(("step_end", b)) < lines.index(("step_start", b + 1)), lines
+    assert not read_journal(tmp_path).open_steps
+    restarted = StepJournal(tmp_path)  # a restart on the same data dir: nothing is charged
+    try:
+        assert not restarted.failures and not restarted.quarantined, restarted.failures
+    finally:
+        restarted.close()
+    assert not [ln for ln in records.read_jsonl(tmp_path / "train_journal.jsonl")
+                if ln.get("died")]

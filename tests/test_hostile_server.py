@@ -155,7 +155,7 @@ def test_dribbled_headers_and_idle_keepalive_are_closed(srv):
     served.join(timeout=60)
     assert len(closed_at) == len(dribblers), f"{len(dribblers) - len(closed_at)} still open"
     assert HEADER_S - 0.1 <= min(closed_at.values()) and max(closed_at.values()) <= HEADER_S + 1.2
-    assert len(srv.acked) == 1, "the normal turn was not answered"
+    assert [sid for sid, _ in srv.acked].count("row1") == 1, "the normal turn was not answered"
 
     # A keep-alive connection, idle after its answer: closed after KEEPALIVE_S, not at HEADER_S.
     s = connect(srv.port)

@@ -12,6 +12,7 @@ sets it aside as `<name>.corrupt-<time>` and goes on from what is intact.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -240,9 +241,8 @@ def test_the_server_starts_through_corrupt_files_and_sets_them_aside(tmp_path):
                    "trainer_state.json", "fresh optimizer",
                    f"{data / 'prefix_cache'} cannot be read",
                    f"{data / 'responses'} cannot be read",
-                   f"{data / 'train_journal.jsonl'}: entry",
-                   f"{data / 'train_journal.jsonl'}: line",
-                   f"{data / 'pending_turns.jsonl'}: entry",
+                   "is not a journal line", f"{data / 'train_journal.jsonl'}: line",
+                   f"{data / 'pending_turns.jsonl'}: line",
                    f"{data / 'prm_scores.jsonl'}: entry",
                    f"{conversations}: its last line",
                    f"byte offset {cut_at}"):
@@ -262,3 +262,170 @@ def test_the_server_starts_through_corrupt_files_and_sets_them_aside(tmp_path):
     finally:
         stop(proc)
     assert "cannot be read" not in log.read_text()[len(mark):]
+
+
+def test_a_store_that_cannot_be_opened_is_kept_and_a_damaged_one_set_aside(tmp_path):
+    """Out of file descriptors at start (a real EMFILE: RLIMIT_NOFILE at the count open): the
+    intact prefix cache is kept and turned off with a WARNING, the stored Responses refuse to
+    open, saying why; neither is set aside. A damaged cache.db is set aside."""
+    script = tmp_path / "open_stores.py"
+    script.write_text(
+        "import os, resource, sys\n"
+        "from pathlib import Path\n"
+        "from rlproxy.api.response_store import open_response_store\n"
+        "from rlproxy.kv.prefix_cache import PrefixCache\n"
+        "from rlproxy.settings import CacheSettings\n"
+        "from rlproxy.stores import StoreUnavailable\n"
+        "data = Path(sys.argv[1])\n"
+        "PrefixCache(data / 'prefix_cache', CacheSettings(), 'm').close()\n"
+        "open_response_store(data / 'responses', 1).close()\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "open_now = len(os.listdir('/proc/self/fd')) - 1\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (open_now, hard))\n"
+        "cache = PrefixCache(data / 'prefix_cache', CacheSettings(), 'm')\n"
+        "try:\n"
+        "    open_response_store(data / 'responses', 1)\n"
+        "    print('responses opened')\n"
+        "except StoreUnavailable as e:\n"
+        "    print('responses:', e)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))\n"
+        "print('prefix:', cache.health()['enabled'], cache.health()['reason'])\n"
+        "cache.close()\n")
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "data")], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "prefix: False off: the prefix cache at" in out.stdout, out.stdout
+    assert "serving without the prefix cache" in out.stderr, out.stderr
+    assert "responses: the stored Responses at" in out.stdout, out.stdout
+    assert "ulimit -n" in out.stdout and "unable to open database file" in out.stdout
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["prefix_cache", "responses"]
+
+    from rlproxy.api.response_store import open_response_store
+    from rlproxy.kv.prefix_cache import PrefixCache
+    from rlproxy.settings import CacheSettings
+
+    (tmp_path / "data" / "prefix_cache" / "cache.db").write_bytes(os.urandom(8192))
+    (tmp_path / "data" / "responses" / "cache.db").write_bytes(os.urandom(8192))
+    cache = PrefixCache(tmp_path / "data" / "prefix_cache", CacheSettings(), "m")
+    assert cache.health()["enabled"]
+    cache.close()
+    open_response_store(tmp_path / "data" / "responses", 1).close()
+    names = sorted(p.name for p in (tmp_path / "data").iterdir())
+    assert [n.split(".corrupt-")[0] for n in names] == [
+        "prefix_cache", "prefix_cache", "responses", "responses"], names
+
+
+def odd_trainer(data: Path, **flags):
+    from rlproxy.serving.model import load_serving_model
+    from rlproxy.settings import ModelSettings
+    from rlproxy.training.loop import Trainer, training_copy
+    from conftest import make_settings
+
+    own = load_serving_model(ModelSettings(model="tiny"))
+    return Trainer(make_settings(data, train=True, batch_size=1, baseline="none", **flags),
+                   training_copy(own), own.lora_config, data_dir=data,
+                   vocab_size=own.vocab_size)
+
+
+def test_start_time_readers_skip_what_they_cannot_use(tmp_path, caplog, monkeypatch):
+    """JSON that is not a line of its file (0, [1], null, missing fields) in training.jsonl,
+    train_journal.jsonl, pending_turns.jsonl and prm_scores.jsonl, and a trainer_state.json
+    without its adapter version: the trainer starts and resumes, each named in a WARNING. The
+    checkpoint is saved again whole; while that save fails (a full disk at start) it stays where
+    it is, so its weights are still the newest listed."""
+    import errno
+    import logging
+
+    from rlproxy.paths import complete_checkpoints
+    from rlproxy.records import load_pending
+    from rlproxy.training.items import released_turns
+
+    first = odd_trainer(tmp_path)
+    first.step, first.version = 1, 1
+    first.save()
+    first.stop()
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    del state["adapter_version"]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (tmp_path / "training.jsonl").write_text(
+        '0\n[1]\nnull\n{"kind": "step", "uids": 5}\n{"kind": "step"}\n'
+        '{"kind": "step", "step": 1, "adapter_version": 1, "uids": ["a", 7]}\n')
+    (tmp_path / "train_journal.jsonl").write_text(
+        '0\n[1]\n{"kind": "step_start", "n": 5}\n{"kind": "step_start", "n": 6, "uids": [1]}\n'
+        '{"kind": "step_end", "n": 2}\n{"kind": "quarantined"}\n')
+    (tmp_path / "pending_turns.jsonl").write_text('0\n{"kind": "turn"}\n{"uid": "x"}\n')
+    (tmp_path / "prm_scores.jsonl").write_text('[1]\n{"kind": "release"}\n')
+    caplog.set_level(logging.WARNING)
+
+    trainer = odd_trainer(tmp_path)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer.learner, "save_state", no_space)
+    try:
+        assert trainer.resume() == ckpt
+        assert (trainer.step, trainer.version) == (1, 1) and "a" in trainer.trained
+        assert complete_checkpoints(tmp_path / "checkpoints") == [ckpt]  # put back
+        assert not list(ckpt.parent.glob("*.corrupt-*"))
+        assert not trainer.journal.failures and not trainer.journal.quarantined
+        assert released_turns(tmp_path, 0.0, 1.0) == []
+        assert load_pending(tmp_path / "pending_turns.jsonl") == []
+    finally:
+        trainer.stop()
+    monkeypatch.undo()
+    trainer = odd_trainer(tmp_path)
+    try:  # space again: saved whole, the partly unreadable one set aside
+        assert trainer.resume() == ckpt
+    finally:
+        trainer.stop()
+    assert json.loads((ckpt / "trainer_state.json").read_text())["adapter_version"] == 1
+    assert len(list(ckpt.parent.glob("step_000001.corrupt-*"))) == 1
+    text = caplog.text
+    for needle in ("training.jsonl: line 1 is not a JSON object",
+                   "train_journal.jsonl: line 3 is not a journal line",
+                   "train_journal.jsonl: line 4 is not a journal line",
+                   "pending_turns.jsonl: line 2 is not a pending turn",
+                   "prm_scores.jsonl: line 2 has no uid",
+                   "no step number or adapter version", "is back in place"):
+        assert needle in text, (needle, text)
+
+
+def test_a_stop_that_gives_up_on_a_slow_step_charges_none_of_its_turns(tmp_path, monkeypatch):
+    """stop() waits STOP_WAIT_S for the step, then ends it uncharged (`stopped`) before the
+    process exits in it: the next start finds no open step to book as a death."""
+    from rlproxy.training import loop
+    from rlproxy.serving.model import load_serving_model
+    from rlproxy.settings import ModelSettings
+    from rlproxy.training.journal import StepJournal, read_journal
+    from test_poison import make_scored
+
+    trainer = odd_trainer(tmp_path)
+    trainer.journal.clean_steps = 1  # proven: a death now would charge its turns
+    real = trainer.learner.forward_backward
+
+    def slow(*args, **kwargs):  # a step longer than the stop waits for
+        time.sleep(2.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.learner, "forward_backward", slow)
+    monkeypatch.setattr(loop, "STOP_WAIT_S", 0.2)
+    model = load_serving_model(ModelSettings(model="tiny"))
+    trainer.start()
+    thread = trainer._thread
+    trainer.submit(make_scored(model, "slow", [5, 6, 7]))
+    deadline = time.monotonic() + 30
+    while not [ln for ln in journal(tmp_path) if ln["kind"] == "step_start"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    trainer.stop()
+    thread.join(timeout=60)  # it finds its files closed and ends
+    ends = [ln for ln in journal(tmp_path) if ln["kind"] == "step_end"]
+    assert [(e["ok"], e["charged"], e.get("stopped")) for e in ends] == [(False, False, True)]
+    assert not read_journal(tmp_path).open_steps
+    restarted = StepJournal(tmp_path)
+    try:
+        assert not restarted.failures and not restarted.suspects
+    finally:
+        restarted.close()

@@ -574,3 +574,27 @@ def test_pending_header_turn_count_and_peft_download_in_a_real_browser(tiny, tau
     weights, config = from_peft(*read_adapter(folder), len(tiny.model.layers))
     assert weights.keys() == adapter.keys()
     assert all(mx.array_equal(weights[k], adapter[k]).item() for k in adapter)
+
+
+def test_the_pending_count_is_the_same_on_every_page(tiny, tmp_path):
+    """A live session with an open turn and 150 recorded ones: every page says 1 pending (the
+    header's total), and only the last one shows it."""
+    with ServerThread(make_settings(tmp_path), tiny) as s:
+        first = s.client().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+            extra_headers={"X-Session-Id": "paged"})
+        s.client().chat.completions.create(  # files turn #0; this one stays pending
+            model="m", max_tokens=3, extra_headers={"X-Session-Id": "paged"}, messages=[
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And then?"}])
+        deadline = time.time() + 15
+        while not read_records(tmp_path) and time.time() < deadline:
+            time.sleep(0.05)
+        with open(tmp_path / "conversations.jsonl", "ab") as f:
+            f.writelines(turn_line(f"p{i}", "paged", i + 1, time.time()) for i in range(150))
+        get = lambda q="": requests.get(s.url + "/ui/api/sessions/paged" + q).json()  # noqa
+        earlier, latest = get("?start=0"), get()
+    assert earlier["recorded_turns"] == latest["recorded_turns"] == 151
+    assert earlier["pending_turns"] == latest["pending_turns"] == 1
+    assert earlier["waiting"] == [] and len(latest["waiting"]) == 1

@@ -5,16 +5,17 @@ One diskcache directory, bounded by `--responses-store-mb` (the oldest stored go
 across restarts (SQLite in WAL mode). An entry is JSON: the Response object as sent, the chat
 conversation it ended (input messages + the assistant reply, without `instructions`), and the
 session and thread the turn was filed under, so a follow-up continues the same session thread.
-Not a record file: the turns themselves are recorded by the session store. A store that cannot
-be opened at start (a damaged SQLite file) is set aside as `responses.corrupt-<time>` and a new
-one opened: the server starts, and only those stored Responses are gone from the API.
+Not a record file: the turns themselves are recorded by the session store. A store whose SQLite
+file is damaged is set aside at start as `responses.corrupt-<time>` and a new one opened: the
+server starts, and only those stored Responses are gone from the API. One that cannot be opened
+for another reason (a full disk, no permission) is intact: kept, and the server does not start,
+saying why (rlproxy/stores.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import sqlite3
 from pathlib import Path
 
 import diskcache
@@ -23,8 +24,8 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.appkeys import RESPONSES
-from rlproxy.records import set_aside
 from rlproxy.settings import Settings
+from rlproxy.stores import open_or_set_aside
 
 
 def open_response_store(directory: Path, limit_mb: float) -> diskcache.Cache:
@@ -32,13 +33,7 @@ def open_response_store(directory: Path, limit_mb: float) -> diskcache.Cache:
         return diskcache.Cache(str(directory), size_limit=int(limit_mb * 1024 * 1024),
                                eviction_policy="least-recently-stored")
 
-    try:
-        return make()
-    except (sqlite3.Error, OSError) as e:
-        if not Path(directory).exists():
-            raise
-        set_aside(Path(directory), f"{type(e).__name__}: {e}; stored Responses start empty")
-        return make()
+    return open_or_set_aside(Path(directory), make, "the stored Responses")
 
 
 def keep(store: diskcache.Cache, response_id: str, entry: dict) -> None:

@@ -218,14 +218,17 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
             kind = tool.get("type") if isinstance(tool, dict) else None
             at = f"{where}.tools[{j}]" if t.get("type") == "namespace" else where
             if kind != "function" and hosted(tool):
-                raise APIError(400, f"{at}.type: tool type {shown(kind)} is not supported; rlproxy "
-                               "offers the model function tools only, which the client runs, "
-                               "and refuses others under --hosted-tools reject (--hosted-tools "
-                               "drop leaves them out of the prompt instead)",
+                raise APIError(400, f"{at}.type: tool type {shown(kind)} is not supported; "
+                               "rlproxy offers the model function tools only, which the client "
+                               "runs, and refuses others under --hosted-tools reject "
+                               "(--hosted-tools drop leaves them out of the prompt instead)",
                                param=f"{at}.type", code="unsupported_tool_type")
             if kind != "function":
-                field, what = (at, "a tool must be an object") if not isinstance(tool, dict) else (
-                    f"{at}.type", "missing" if kind is None else f"{shown(kind)} is not a tool type")
+                if not isinstance(tool, dict):
+                    field, what = at, "a tool must be an object"
+                else:
+                    field = f"{at}.type"
+                    what = "missing" if kind is None else f"{shown(kind)} is not a tool type"
                 raise APIError(400, f"{field}: {what}; send function tools ({{\"type\": "
                                "\"function\", \"name\": ..., \"parameters\": {...}}) or a "
                                "namespace of them", param=field, code="invalid_value")

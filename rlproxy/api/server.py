@@ -135,7 +135,10 @@ def raise_open_file_limit(wanted: tuple[int, int] = NOFILE_AT_IMPORT) -> int:
 
 def tally_accept_failures(previous, tally: Tally):
     """A loop exception handler: asyncio's accept() failure (EMFILE) counted into TALLY, not
-    logged with a traceback on each of its retries (thousands a second); the rest as before."""
+    logged with a traceback each time a listening socket retries (once a second, each); the rest
+    as before. A runner set up again on the same loop replaces its own handler, not wraps it."""
+    previous = getattr(previous, "previous", previous)
+
     def handle(loop: asyncio.AbstractEventLoop, context: dict) -> None:
         if context.get("message") == ACCEPT_FAILED:
             tally.add()
@@ -143,6 +146,7 @@ def tally_accept_failures(previous, tally: Tally):
             previous(loop, context)
         else:
             loop.default_exception_handler(context)
+    handle.previous = previous
     return handle
 
 
@@ -294,7 +298,6 @@ class AppRunner(web.AppRunner):
         loop.set_exception_handler(tally_accept_failures(loop.get_exception_handler(),
                                                          server.tallies.accept_failed))
         return server
-
 
 
 def run_app(app: web.Application, *, host: str, port: int, print=print) -> None:

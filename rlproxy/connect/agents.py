@@ -146,8 +146,8 @@ AGENTS = {
                       lambda: Path(os.environ.get("OPENCODE_CONFIG") or env_dir(
                           "XDG_CONFIG_HOME", home() / ".config") / "opencode" / "opencode.json"),
                       opencode, "opencode", ["opencode", "run", CHECK_PROMPT]),
-    "openclaw": Agent("OpenClaw", "openclaw", "npm install -g openclaw  (needs Node >= 24)",
-                      "json",
+    "openclaw": Agent("OpenClaw", "openclaw",
+                      "npm install -g openclaw  (needs Node 24.16+ or 26.1+)", "json",
                       lambda: Path(os.environ.get("OPENCLAW_CONFIG_PATH") or env_dir(
                           "OPENCLAW_STATE_DIR", home() / ".openclaw") / "openclaw.json"),
                       openclaw, 'openclaw agent --local --agent main --message "hello"',

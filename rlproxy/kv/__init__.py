@@ -5,7 +5,7 @@ far), so the engine asks the store for the longest stored prefix of each new pro
 prefills only the rest.
 
 Owns its entries' keys and bytes (blobs.py), the index over them (index.py), which adapter
-versions' KV may be reused (lineage.py) and the store itself (prefix_cache.py). Used by the
+versions' KV may be reused (lineage.py) and the store itself (prefix_cache.py; disk.py opens it). Used by the
 engine only; knows nothing of requests or sessions.
 
 - **Entry**: the KV state (every layer's keys and values) of one token sequence, a request's

@@ -4,9 +4,11 @@ Owns the entries, the memory tier, a `diskcache` directory (`<data_dir>/prefix_c
 writer thread and its counters (`PrefixCacheStats`; `health()` is what /healthz shows). Does not
 own the model or the decode loop: serving/engine.py decides when to store, serving/prefill.py's
 loader thread looks up. How it works, with blobs.py (keys, hashes, bytes), index.py and
-lineage.py (`--kv-reuse-max-lag`), is told once, in kv/__init__.py. A store that cannot be opened
-(a damaged cache.db) is only a cache: it is set aside as `prefix_cache.corrupt-<time>` and a new,
-empty one opened; a write the disk refuses is one WARNING, not kept.
+lineage.py (`--kv-reuse-max-lag`), is told once, in kv/__init__.py. It is only a cache: a damaged
+cache.db is set aside as `prefix_cache.corrupt-<time>` and a new, empty store opened; one that
+cannot be opened for another reason (a full disk, no permission: kv/disk.py) is kept, and
+the server serves without a prefix cache (a WARNING, /healthz says why); a write the disk refuses
+is one WARNING, not kept.
 """
 
 from __future__ import annotations
@@ -15,12 +17,10 @@ import itertools
 import json
 import logging
 import queue
-import sqlite3
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import diskcache
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -30,11 +30,12 @@ from rlproxy.kv.blobs import (
     FORMAT, LIVE_KV, CorruptEntry, Entry, block_hashes, check_quantizable, common_prefix, digest,
     end_hash, fresh_kv, model_key, pack, to_caches, unpack, unstorable,
 )
+from rlproxy.kv.disk import open_disk
 from rlproxy.kv.index import BlockIndex
 from rlproxy.kv.lineage import Lineage
-from rlproxy.records import set_aside
 from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.settings import CacheSettings
+from rlproxy.stores import StoreUnavailable
 
 log = logging.getLogger("rlproxy.prefix_cache")
 
@@ -86,18 +87,16 @@ class PrefixCache:
         self._lineage = Lineage(self.directory, self.base, self.max_lag)
         self._lock = threading.Lock()  # index and memory tier: lookups and the writer
         self._small = threading.Lock()  # counters and queued writes: never held for long
-        self._index = BlockIndex(self.block)
         self._memory = LRUPromptCache(max_size=1 << 30, max_bytes=self.memory_limit)
         self._pending: dict[int, tuple[str, int, np.ndarray, list]] = {}  # queued writes
         self._write_ids = itertools.count()
         self.stats = PrefixCacheStats()
         try:
-            self._open()
-        except (sqlite3.Error, OSError) as e:  # only a cache: set aside, start empty
-            self._disk = None
-            set_aside(self.directory, f"{type(e).__name__}: {e}; the prefix cache starts "
-                      "empty")
-            self._open()
+            self._disk, self._index = open_disk(self.directory, self.disk_limit, self.block)
+        except StoreUnavailable as e:  # intact, kept: serve on without it (only a cache)
+            log.warning("%s; serving without the prefix cache", e)
+            self.unsupported, self._disk, self._index = f"off: {e}", None, BlockIndex(self.block)
+        self._disk_bytes = self._disk.volume() if self._disk is not None else 0
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="rlproxy-prefix-writer",
                                         daemon=True)
@@ -116,7 +115,8 @@ class PrefixCache:
     def set_adapter(self, version: int, fingerprint: str) -> None:
         """The engine now serves this adapter: look up under it and the N before it."""
         self._lineage.set_adapter(version, fingerprint)
-        self._queue.put(("stale", version))
+        if self._disk is not None:
+            self._queue.put(("stale", version))
 
     def reset_lineage(self, version: int) -> None:
         """VERSION, about to be published, is not a training step from the adapter served now
@@ -265,7 +265,8 @@ class PrefixCache:
                             self._pending.pop(item[1], None)  # stored now, or failed
                     item = None  # free the KV arrays here, not while waiting for the next item
                     self._queue.task_done()
-            self._disk.close()  # this thread's SQLite connection
+            if self._disk is not None:
+                self._disk.close()  # this thread's SQLite connection
 
     def _write(self, ns: str, version: int, tokens: np.ndarray, arrays: list, ends) -> None:
         n = len(tokens)
@@ -343,28 +344,6 @@ class PrefixCache:
             self._disk.evict(ns)
         self._disk_bytes = self._disk.volume()
 
-    def _open(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._disk = diskcache.Cache(
-            str(self.directory), size_limit=self.disk_limit, cull_limit=0,  # we cull, after
-            eviction_policy="least-recently-used", disk_min_file_size=0,  # every entry a file
-            tag_index=True,  # evict(tag): a namespace's entries at once
-        )
-        try:
-            self._disk_bytes = self._disk.volume()
-            self._scan()
-        except BaseException:
-            self._disk.close()
-            raise
-
-    def _scan(self) -> None:
-        for key in list(self._disk.iterkeys()):
-            entry = Entry.parse(key)
-            if entry is None:
-                self._disk.delete(key)  # not ours, or an older format
-            else:
-                self._index.add(entry)
-
     def _count(self, **deltas) -> None:
         with self._small:
             for name, d in deltas.items():
@@ -380,7 +359,8 @@ class PrefixCache:
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join(timeout=120)
-        self._disk.close()
+        if self._disk is not None:
+            self._disk.close()
 
     def health(self) -> dict:
         """What /healthz shows under "prefix_cache". Never waits for a lookup or a write (the

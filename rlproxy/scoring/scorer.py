@@ -140,7 +140,8 @@ class Scorer:
         recent: LRU[str, dict] = LRU(self.keep_recent)  # released lately -> score line
         feedback: dict[str, tuple[float, str | None]] = {}
         path = self.data_dir / paths.SCORES
-        for line in readable(read_jsonl(path), path):  # an odd line: skipped, with a WARNING
+        # an odd line: skipped, with a WARNING
+        for line in readable(read_jsonl(path, report_cut=True), path):
             uid, kind = line.get("uid"), line.get("kind")
             if kind == "score":
                 line.setdefault("chosen_choice", 0)

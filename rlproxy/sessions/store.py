@@ -77,7 +77,7 @@ class SessionStore:
         recorded: set[str] = set()
         # closed sessions: (the index their next turn gets, inferred: a chain may reopen one)
         self._reopen: LRU[str, tuple[int, bool]] = LRU(max_items=KEEP_CLOSED_IDS)
-        for r in read_jsonl(self.data_dir / CONVERSATIONS):
+        for r in read_jsonl(self.data_dir / CONVERSATIONS, report_cut=True):
             recorded.add(r.get("uid"))
             sid, index = r.get("session_id"), r.get("index", 0)
             if isinstance(sid, str) and isinstance(index, int):

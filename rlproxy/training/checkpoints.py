@@ -132,8 +132,9 @@ def read_checkpoint(path: Path, partial: bool = False
         problems.append(f"optimizer.safetensors: {type(e).__name__}: {e}")
     try:
         state = json.loads((path / TRAINER_STATE).read_text())
-        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-            raise ValueError("no step number in it")
+        if not isinstance(state, dict) or not all(
+                isinstance(state.get(k), int) for k in ("step", "adapter_version")):
+            raise ValueError("no step number or adapter version in it")
     except UNREADABLE as e:
         if not partial:
             raise

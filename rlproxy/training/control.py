@@ -5,7 +5,9 @@ before it starts.
   failures    `train_journaled` runs a batch between a journaled start and end
               (training/journal.py): a step whose compute raises costs its turns an attempt,
               is retried turn by turn, and a turn is quarantined once its attempts are spent;
-              SYSTEMIC_TURNS different turns failing alike pause training instead.
+              SYSTEMIC_TURNS different turns failing alike pause training instead. A full disk
+              charges no one: `train_or_wait_for_disk` puts the batch's untrained items back
+              and tries again after DISK_RETRY_S.
   eval gate   `evaluate` runs the gate (training/gate.py) on the candidate and applies its
               verdict: publish it (and save: the good state's checkpoint), or restore the good
               state, multiply the learning-rate scale, write a `rollback` line, pause after
@@ -17,6 +19,8 @@ before it starts.
   restarts    checkpoints saved (the learner writes them: training/learner.py) with the reward
               baseline and the served version; `resume` loads the newest and publishes it; the
               turns of the steps a kill lost since (training/journal.py `lost_steps`) train again.
+              A partly unreadable checkpoint is set aside and saved again whole (put back if
+              that save fails, so the newest weights stay listed).
 
 Not here: the loop, batches and steps (training/loop.py), the gate's measurements
 (training/gate.py), the checkpoint format (training/checkpoints.py).
@@ -24,8 +28,8 @@ Not here: the loop, batches and steps (training/loop.py), the gate's measurement
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import os
 import shutil
 import time
 from concurrent.futures import Future, InvalidStateError
@@ -41,12 +45,14 @@ from rlproxy.training.journal import SYSTEMIC_TURNS, lost_steps, outside_vocab, 
 from rlproxy.training.learner import LayoutMismatch
 
 log = logging.getLogger("rlproxy.trainer")
+DISK_RETRY_S = 5.0  # a batch whose journal lines a full disk refused is tried again after it
 
 
 def version_of_step(data_dir: Path, step: int) -> int:
     """The adapter version training.jsonl gives step STEP (its last line for it), else STEP:
     for a checkpoint whose trainer_state.json was lost."""
-    versions = [ln.get("adapter_version") for ln in read_jsonl(Path(data_dir) / TRAINING)
+    lines = read_jsonl(Path(data_dir) / TRAINING, report_cut=True)
+    versions = [ln.get("adapter_version") for ln in lines
                 if ln.get("kind") in ("step", "rollback") and ln.get("step") == step]
     return versions[-1] if versions and isinstance(versions[-1], int) else step
 
@@ -94,9 +100,8 @@ class Control:
                 self.error = f"after step {self.step}: {error}"
                 return lines
             if isinstance(e, WriteFailed):  # a full disk is not the turns' fault: no charge
-                with contextlib.suppress(WriteFailed):
-                    journal.end(*journal.open, error, charge=False)
-                raise  # the loop waits for space (loop.py _train_or_wait_for_disk)
+                journal.end(*journal.open, error, charge=False)  # its line waits for space
+                raise  # the loop waits for space (train_or_wait_for_disk)
             log.exception("training step over turns %s failed", ", ".join(uids))
             if len(batch) == 1 and journal.systemic(uids, type(e).__name__):
                 journal.end(*journal.open, error, charge=False)
@@ -112,6 +117,33 @@ class Control:
             return self.train_journaled(batch)  # returns [] once the turn is quarantined
         journal.applied()  # no step was taken (every turn skipped)
         return lines
+
+    def train_or_wait_for_disk(self, batch: list[dict]) -> bool:
+        """Train BATCH (its units keep the duty cycle: the pacer); False when a full disk kept
+        its journal lines from being written: its items not trained yet go back to the inbox
+        (one trained before, in a turn-by-turn retry, must not get a second update), and the
+        thread waits DISK_RETRY_S before it tries again (no restart needed once there is
+        space)."""
+        try:
+            self.train_journaled(batch)
+        except WriteFailed as e:
+            self.error = f"training waits for disk space: {e}"
+            log.error(self.error)
+            handled, left = [], []
+            with self._lock:
+                for s in batch:
+                    key = item_key(s)
+                    done = key in self.trained or key in self._skipped
+                    (handled if done or key in self.journal.quarantined else left).append(s)
+            self._done(handled)  # they leave `queued`
+            for item in left:
+                self.inbox.put(item)
+            time.sleep(DISK_RETRY_S)
+            return False
+        if self.error and self.error.startswith("training waits for disk space"):
+            self.error = None
+        self._done(batch)
+        return True
 
     # ---- the eval gate's verdict ----
 
@@ -251,7 +283,8 @@ class Control:
 
         One whose adapter cannot be read is set aside (`<name>.corrupt-<time>`) and the next
         older one tried. One whose optimizer state or trainer_state.json cannot be read
-        resumes from its weights with a fresh optimizer: set aside, then saved again whole."""
+        resumes from its weights with a fresh optimizer: set aside, then saved again whole;
+        put back if that save fails (a full disk), so its weights stay the newest listed."""
         if not self.t.resume:
             return None
         path, state, problems, mismatched = None, None, [], []
@@ -294,8 +327,11 @@ class Control:
         if problems:
             log.warning("checkpoint %s: %s; resumed from its weights with a fresh optimizer "
                         "(its moments and update count start over)", path, "; ".join(problems))
-            set_aside(path, "; ".join(problems))
-            self.try_save()  # the same step again, whole
+            aside = set_aside(path, "; ".join(problems))
+            if self.try_save() is None and not path.exists():  # the same step again, whole
+                os.replace(aside, path)
+                log.warning("%s is back in place until a save of step %d succeeds", path,
+                            self.step)
         log.info("resumed from %s (step %d, adapter version %d)", path, self.step, served)
         return path
 

@@ -129,6 +129,8 @@ def export(folder: Path, model: str, fmt: str, out: Path, dequantize: str = "aut
                             str(target))
         if overrides:
             scale_gguf(target, overrides)
+            print("note: llama.cpp reads the YaRN scaling from the file; rlproxy's own GGUF "
+                  "loader refuses scaled files (serve the fused export instead)", file=sys.stderr)
         return target
 
 
@@ -136,6 +138,9 @@ def local_folder(path_or_id: str) -> Path:
     """The base model's folder on disk; a hub id is fetched once (the files mlx-lm loads), so the
     config, the fit check and the fuse all read the same files."""
     if Path(path_or_id).is_dir():
+        if not (Path(path_or_id) / "config.json").is_file():
+            raise ExportError(f"--model {path_or_id}: no config.json there (not an mlx-lm or "
+                              "Hugging Face model folder)")
         return Path(path_or_id)
     from huggingface_hub import snapshot_download
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
@@ -145,7 +150,7 @@ def local_folder(path_or_id: str) -> Path:
     except (OSError, ValueError) as e:  # offline, no such repo, a malformed id: all end here
         why = " ".join(str(e).split())
         raise ExportError(f"--model {path_or_id}: not a folder here, and the Hugging Face hub "
-                          f"did not give it ({why[:200]}); check the network and the id, or name "
+                          f"did not give it ({why[:300]}); check the network and the id, or name "
                           "a local mlx-lm model folder") from None
 
 

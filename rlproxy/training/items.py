@@ -14,15 +14,17 @@ steps (training/journal.py).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterable
 
 from rlproxy.paths import CONVERSATIONS, SCORES
-from rlproxy.records import read_jsonl
+from rlproxy.records import numbered_jsonl
 from rlproxy.scoring.judging import released_item
 from rlproxy.training.journal import item_choice, item_key, quarantined_uids
 
 __all__ = ["item_choice", "item_key", "released_turns"]
+log = logging.getLogger("rlproxy.trainer")
 
 
 def released_turns(data_dir: Path, w_opd: float, w_rl: float,
@@ -31,18 +33,29 @@ def released_turns(data_dir: Path, w_opd: float, w_rl: float,
     latest release of a key wins), rebuilt by scoring.released_item into what the scorer hands
     the trainer live, less keys in SKIP and quarantined ones (training/journal.py). Release lines
     from before choices were keyed mean the chosen choice. Used to resume and by
-    `rlproxy train`."""
+    `rlproxy train`. A line it cannot use is skipped with a WARNING naming it."""
     skip = set(skip) | quarantined_uids(data_dir, max_attempts)
     scores, releases = {}, {}
-    for line in read_jsonl(Path(data_dir) / SCORES):
-        if line.get("kind") == "score":
+    path = Path(data_dir) / SCORES
+    for number, line in numbered_jsonl(path, report_cut=True):
+        if not isinstance(line.get("uid"), str):
+            log.warning("%s: line %d has no uid; skipped", path, number)
+        elif line.get("kind") == "score":
             scores[line["uid"]] = line
         elif line.get("kind") == "release":
             releases.setdefault(line["uid"], {})[line.get("key") or line["uid"]] = line
     out = []
-    for turn in read_jsonl(Path(data_dir) / CONVERSATIONS):
-        for key, release in releases.get(turn.get("uid"), {}).items():
-            if key not in skip:
-                item = released_item(turn, scores.get(turn["uid"], {}), release, w_opd, w_rl)
-                out += [item] if item is not None else []
+    path = Path(data_dir) / CONVERSATIONS
+    for number, turn in numbered_jsonl(path, report_cut=True):
+        uid = turn.get("uid")
+        for key, release in (releases.get(uid, {}) if isinstance(uid, str) else {}).items():
+            if key in skip:
+                continue
+            try:
+                item = released_item(turn, scores.get(uid, {}), release, w_opd, w_rl)
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                log.warning("%s: line %d is not a turn that can be trained (%s: %s); skipped",
+                            path, number, type(e).__name__, e)
+                break
+            out += [item] if item is not None else []
     return out

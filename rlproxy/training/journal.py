@@ -9,6 +9,11 @@ with `"died": true`. A step that raised costs each of its turns one attempt; a t
 `max_attempts` gets one `{"kind": "quarantined", "uid", "reason"}` line and is never trained
 again: a poison turn costs at most `max_attempts` failures, never a crash loop.
 
+A line a full disk refuses (an end, a quarantine) is kept, in order, and written before the next
+step's start, which waits for it: so a step whose end could not be written is never left open on
+disk behind a later step, to be booked as a death at the next start. A graceful stop that gives
+up waiting for a step ends it uncharged (`"stopped": true`).
+
 Crash blame. A death is not always the step's fault: an operator restarting the server, a
 deploy, the OOM killer taking the biggest process. So a death charges the step's turns only when
 the step ran in a *proven* process: one that had already ended a step cleanly, or had run
@@ -35,17 +40,19 @@ does the training. The file is `train_journal.jsonl` in the data dir, append-onl
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlproxy.paths import JOURNAL, TRAINING
-from rlproxy.records import JsonlWriter, read_jsonl
+from rlproxy.records import JsonlWriter, WriteFailed, numbered_jsonl, read_jsonl
 
 log = logging.getLogger("rlproxy.trainer")
 SYSTEMIC_TURNS = 3  # different turns failing in a row with one error type: the cause is not them
 DIED = "the process died during this step (killed, out of memory or crashed)"
+STOPPED = "the server stopped before this step ended (a graceful stop gave up waiting for it)"
 # a process up this long counts as proven without a clean step: a restart loop kills sooner
 CLEAN_RUN_S = 60.0
 _warned: set[tuple[str, int]] = set()  # (journal, entry) read back that was not a journal line
@@ -85,20 +92,23 @@ def read_journal(data_dir: Path) -> Books:
     """The books from DATA_DIR's journal. Steps that never ended are not counted yet."""
     books = Books()
     path = Path(data_dir) / JOURNAL
-    for number, line in enumerate(read_jsonl(path), 1):
+    for number, line in numbered_jsonl(path, report_cut=True):
         try:
             kind = line.get("kind")
-            if kind == "step_start":
-                books.open_steps[int(line["n"])] = line
-                books.last = max(books.last, int(line["n"]))
-                list(line["uids"])
+            if kind == "step_start":  # checked whole before it is booked
+                n, uids = int(line["n"]), line["uids"]
+                if not isinstance(uids, list) or not all(isinstance(u, str) for u in uids):
+                    raise TypeError("its uids are not a list of keys")
+                books.open_steps[n] = line
+                books.last = max(books.last, n)
             elif kind == "step_end":
-                start = books.open_steps.pop(int(line["n"]), None)
+                n, ok = int(line["n"]), line["ok"]
+                start = books.open_steps.pop(n, None)
                 if start is None:
                     continue
-                if line.get("died") and not line["ok"]:
+                if line.get("died") and not ok:
                     books.died(start)
-                elif not line["ok"]:
+                elif not ok:
                     if line.get("charged", True):
                         books.failures.update(start["uids"])
                 else:  # trained: no longer suspect
@@ -109,7 +119,7 @@ def read_journal(data_dir: Path) -> Books:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if (str(path), number) not in _warned:  # read twice at start: warned once
                 _warned.add((str(path), number))
-                log.warning("%s: entry %d is not a journal line (%s: %s); skipped: %.120r",
+                log.warning("%s: line %d is not a journal line (%s: %s); skipped: %.120r",
                             path, number, type(e).__name__, e, line)
     return books
 
@@ -138,10 +148,12 @@ class StepJournal:
         self._streak: tuple[str, set[str]] = ("", set())  # (error type, turns) failing in a row
         self.open: tuple[int, list[str]] | None = None  # the step started, update not applied
         self.writer = JsonlWriter(Path(data_dir) / JOURNAL, fsync=fsync)
+        self._unwritten: list[dict] = []  # lines a full disk refused, written before the next
+        self._writing = threading.Lock()
         for n, start in sorted(books.open_steps.items()):  # the last run died inside these
             charged = books.died(start)
-            self.writer.write({"kind": "step_end", "n": n, "ok": False, "error": DIED,
-                               "died": True, "charged": charged, "time": time.time()})
+            self._write({"kind": "step_end", "n": n, "ok": False, "error": DIED,
+                         "died": True, "charged": charged, "time": time.time()})
             if charged:
                 log.warning("the last run died during training step %d (turns %s) after it "
                             "had trained cleanly: each turn is charged an attempt, retried "
@@ -170,7 +182,9 @@ class StepJournal:
         return self.failures[uid] + self.suspects[uid]
 
     def start(self, uids: list[str], tokens: int) -> int:
-        """Journal a step over UIDS (TOKENS prompt + completion ids in all) before it runs."""
+        """Journal a step over UIDS (TOKENS prompt + completion ids in all) before it runs, after
+        any line a full disk refused before (WriteFailed: no step, nothing runs)."""
+        self._flush()
         self.writer.write({"kind": "step_start", "n": self._n + 1, "uids": uids,
                            "attempt": 1 + max(self.tries(u) for u in uids), "tokens": tokens,
                            "proven": self.proven, "time": time.time()})
@@ -185,10 +199,11 @@ class StepJournal:
 
     def end(self, n: int, uids: list[str], error: str | None = None,
             charge: bool = True) -> None:
-        """Step N ended (ERROR: it raised; CHARGE: the turns lose an attempt for it)."""
+        """Step N ended (ERROR: it raised; CHARGE: the turns lose an attempt for it). Never
+        raises for a full disk: the line waits for the next start (`_write`)."""
         self.open = None
-        self.writer.write({"kind": "step_end", "n": n, "ok": error is None, "error": error,
-                           "charged": charge, "time": time.time()})
+        self._write({"kind": "step_end", "n": n, "ok": error is None, "error": error,
+                     "charged": charge, "time": time.time()})
         if error is None:
             self._streak = ("", set())
             self.clean_steps += 1
@@ -198,6 +213,14 @@ class StepJournal:
             self.failed_steps += 1
             if charge:
                 self._charge(uids, error)
+
+    def stopped(self) -> None:
+        """The process stops with a step still running (a graceful stop gave up waiting): it
+        ends uncharged, so the next start does not book it as a death."""
+        if self.open is not None:
+            n, self.open = self.open[0], None
+            self._write({"kind": "step_end", "n": n, "ok": False, "error": STOPPED,
+                         "charged": False, "stopped": True, "time": time.time()})
 
     def systemic(self, uids: list[str], error_type: str) -> bool:
         """Whether this failure makes SYSTEMIC_TURNS different turns in a row failing with
@@ -210,16 +233,16 @@ class StepJournal:
 
     def resumed(self, step: int, lost_steps: int, uids: list[str]) -> None:
         """The trainer resumed from checkpoint STEP; LOST_STEPS steps after it are redone."""
-        self.writer.write({"kind": "resumed", "step": step, "lost_steps": lost_steps,
-                           "retrain": uids, "time": time.time()})
+        self._write({"kind": "resumed", "step": step, "lost_steps": lost_steps,
+                     "retrain": uids, "time": time.time()})
 
     def quarantine(self, uid: str, reason: str) -> None:
         """Never train UID again: one `quarantined` line (also for a turn known to crash the
         process, quarantined before any attempt)."""
         if uid not in self.quarantined:
-            self.writer.write({"kind": "quarantined", "uid": uid, "reason": reason,
-                               "attempts": self.failures[uid], "time": time.time()})
             self.quarantined[uid] = reason
+            self._write({"kind": "quarantined", "uid": uid, "reason": reason,
+                         "attempts": self.failures[uid], "time": time.time()})
             log.warning("turn %s quarantined, never to be trained: %s", uid, reason)
 
     def _charge(self, uids: list[str], reason: str) -> None:
@@ -231,18 +254,44 @@ class StepJournal:
         if self.failures[uid] >= self.max_attempts:
             self.quarantine(uid, f"{self.failures[uid]} failed attempts; the last: {reason}")
 
+    def _write(self, line: dict) -> None:
+        """LINE after those a full disk refused before; one refused now waits for the next."""
+        with self._writing:
+            self._unwritten.append(line)
+        try:
+            self._flush()
+        except WriteFailed as e:  # the error is on /healthz (records.failing)
+            log.error("%d journal lines wait for disk space: %s", len(self._unwritten), e)
+
+    def _flush(self) -> None:
+        with self._writing:  # the trainer thread, and a stop that gave up waiting for it
+            while self._unwritten:
+                self.writer.write(self._unwritten[0])
+                self._unwritten.pop(0)
+
     def close(self) -> None:
+        try:
+            self._flush()
+        except WriteFailed as e:
+            log.error("%d journal lines could not be written before stopping: %s",
+                      len(self._unwritten), e)
         self.writer.close()
 
 
 def lost_steps(data_dir: Path, step: int) -> tuple[int, set[str]]:
     """(the steps recorded in DATA_DIR's training.jsonl after checkpoint STEP, their turns): a
     kill loses the updates since the last save. A rollback takes a step number too."""
-    steps = [ln for ln in read_jsonl(Path(data_dir) / TRAINING)
+    steps = [ln for ln in read_jsonl(Path(data_dir) / TRAINING, report_cut=True)
              if ln.get("kind") in ("step", "rollback")]
-    at = [i for i, ln in enumerate(steps) if ln["step"] == step]  # its last run's line
+    at = [i for i, ln in enumerate(steps) if ln.get("step") == step]  # its last run's line
     cut = at[-1] + 1 if at else (0 if step == 0 else len(steps))
-    return len(steps) - cut, {u for ln in steps[cut:] for u in ln.get("uids", [])}
+    return len(steps) - cut, {u for ln in steps[cut:] for u in uids_of(ln)}
+
+
+def uids_of(line: dict) -> list[str]:
+    """The keys a training.jsonl line names (its `uids`); none from a line that is odd."""
+    uids = line.get("uids")
+    return [u for u in uids if isinstance(u, str)] if isinstance(uids, list) else []
 
 
 def outside_vocab(turn: dict, vocab_size: int | None, choice: int | None = None) -> int | None:

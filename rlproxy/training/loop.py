@@ -11,7 +11,7 @@ between a journaled start and end (training/journal.py): an item whose step rais
 the process, is retried alone, then quarantined, so no turn can kill or crash-loop the trainer; a
 turn in a step an unproven process died in waits until this one is proven (journal.py's crash
 blame). A batch whose journal lines a full disk refuses goes back to the inbox and is tried again
-every DISK_RETRY_S, the error on /healthz meanwhile.
+(training/control.py `train_or_wait_for_disk`), the error on /healthz meanwhile.
 
 Advantage baselines: an item the scorer already `baselined` (a group of 2 or more choices) is
 trained as it comes; otherwise `--baseline mean` subtracts an exponential running mean of the
@@ -44,14 +44,14 @@ import mlx.nn as nn
 from rlproxy.lru import LRU
 from rlproxy.ops import metrics
 from rlproxy.paths import CHECKPOINTS, TRAINING
-from rlproxy.records import JsonlWriter, WriteFailed, read_jsonl
+from rlproxy.records import JsonlWriter, read_jsonl
 from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.settings import Settings
 from rlproxy.training.control import Control
 from rlproxy.training.examples import no_signal, pack, turn_example
 from rlproxy.training.gate import make_gate
 from rlproxy.training.items import item_choice, item_key, released_turns
-from rlproxy.training.journal import StepJournal
+from rlproxy.training.journal import StepJournal, uids_of
 from rlproxy.training.learner import LocalLearner, training_copy
 from rlproxy.training.pacing import Pacer
 
@@ -59,7 +59,7 @@ __all__ = ["Trainer", "TrainerStats", "released_turns", "training_copy"]  # app.
 log = logging.getLogger("rlproxy.trainer")
 TRAINED_KEEP = 100_000  # keys remembered as trained once running (start-up reads them all)
 MAX_QUEUED = 10_000  # items waiting; past it an item waits for a restart (released_turns)
-DISK_RETRY_S = 5.0  # a batch whose journal lines a full disk refused is tried again after it
+STOP_WAIT_S = 120.0  # a stop waits this long for a step; then it ends the step uncharged
 
 
 @dataclass
@@ -112,8 +112,8 @@ class Trainer(Control):
         self.stats = TrainerStats()
         self.writer = JsonlWriter(self.data_dir / TRAINING, fsync=settings.records.fsync)
         self.trained: LRU = LRU()
-        for line in read_jsonl(self.data_dir / TRAINING):
-            for uid in line.get("uids", []):
+        for line in read_jsonl(self.data_dir / TRAINING, report_cut=True):
+            for uid in uids_of(line):
                 self.trained.add(uid)
         # Read before anything is resubmitted: turns a crashed step held are retried, or
         # quarantined once they have had their attempts.
@@ -142,7 +142,11 @@ class Trainer(Control):
         self._running = False
         self.inbox.put(None)
         if self._thread is not None:
-            self._thread.join(timeout=120)
+            self._thread.join(timeout=STOP_WAIT_S)
+            if self._thread.is_alive():  # the process exits inside the step: not the turns' fault
+                log.error("training step still running after %g s; stopping without it",
+                          STOP_WAIT_S)
+                self.journal.stopped()
         else:  # offline use: the caller's thread did the training
             try:
                 self._save_unsaved()
@@ -243,7 +247,7 @@ class Trainer(Control):
                     self._control()  # a rollback asked for; a pause holds the batch here
                     if self.paused and not self._running:
                         break  # stopped while paused: the held batch trains after a restart
-                    if batch and not self._train_or_wait_for_disk(batch):
+                    if batch and not self.train_or_wait_for_disk(batch):
                         continue
                     if self.gate is not None and self.gate.due:
                         self.evaluate()  # publish the candidate, or roll back
@@ -254,24 +258,6 @@ class Trainer(Control):
                 self._save_unsaved()  # on this thread, which owns the arrays
             except Exception:
                 log.exception("could not save the final checkpoint")
-
-    def _train_or_wait_for_disk(self, batch: list[dict]) -> bool:
-        """Train BATCH (its units keep the duty cycle: the pacer); False when a full disk kept
-        its journal lines from being written: it goes back to the inbox, and the thread waits
-        DISK_RETRY_S before it tries again (no restart needed once there is space)."""
-        try:
-            self.train_journaled(batch)
-        except WriteFailed as e:
-            self.error = f"training waits for disk space: {e}"
-            log.error(self.error)
-            for item in batch:
-                self.inbox.put(item)
-            time.sleep(DISK_RETRY_S)
-            return False
-        if self.error and self.error.startswith("training waits for disk space"):
-            self.error = None
-        self._done(batch)
-        return True
 
     # ---- one batch ----
 

@@ -7,7 +7,8 @@ peft needs torch, which rlproxy does not install; this was run once in a throwaw
 
 It writes, each from `get_peft_model(...).save_pretrained(...)`:
 - qwen3-tiny/: a LoRA (r=4, alpha=10, all seven linear modules, every block) for rlproxy's
-  embedded tiny model (qwen3, generator version 1), with random non-zero lora_B so that it changes
+  embedded tiny model (qwen3, generator version 1; version 2, embedded-tiny-v2, has the same
+  weights and only a longer configured window, so the fixture holds for it), with random non-zero lora_B so that it changes
   the output, in peft's own adapter_model.safetensors + adapter_config.json; and
   expected_logprobs.json: the log-probs torch + peft give for a fixed token sequence with that
   adapter, which rlproxy's `serve --adapter` must reproduce.
