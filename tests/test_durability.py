@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import pytest
 import requests
+
+from serve_process import free_port, server_env, wait_healthy
 
 SESSIONS = 6  # the even ones pause ("a long tool call") after a few turns; the odd ones don't
 KILL_AFTER = 20  # acknowledged turns, over all sessions, before the SIGKILL
@@ -62,18 +63,10 @@ class Acked:
     uid: str | None  # X-Turn-Uid; None when streamed (headers go out before the turn exists)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(data_dir: Path, log_path: Path,
                  python_args: list[str] = SERVE) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RLPROXY_") or k == "RLPROXY_CACHE_DIR"}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = server_env()
     log = open(log_path, "ab")
     proc = subprocess.Popen(
         [sys.executable, *python_args, "serve", "--model", "tiny", "--port", str(port),
@@ -81,18 +74,8 @@ def start_server(data_dir: Path, log_path: Path,
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if requests.get(url + "/healthz", timeout=2).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"server not healthy after 120 s:\n{log_path.read_text()}")
+    wait_healthy(proc, url, log_path)
+    return proc, url
 
 
 def stop(proc: subprocess.Popen) -> None:

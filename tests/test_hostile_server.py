@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from serve_process import free_port, server_env, wait_healthy
 from rlproxy.paths import CONVERSATIONS, LOCK, DataDirInUse, lock_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,36 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 HEADER_S, KEEPALIVE_S, CAP = 1.0, 3.0, 50
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_cmd(data_dir: Path, port: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port", str(port),
             "--data-dir", str(data_dir), "--log-level", "INFO", *flags]
-
-
-def clean_env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RLPROXY_") or k == "RLPROXY_CACHE_DIR"}
-    return {**env, "PYTHONUNBUFFERED": "1"}
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if requests.get(url + "/healthz", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"server not healthy after 120 s:\n{log_path.read_text()}")
 
 
 class Server:
@@ -78,7 +52,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(serve_cmd(data_dir, self.port, *flags), cwd=REPO,
-                                         env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+                                         env=server_env(), stdout=log, stderr=subprocess.STDOUT)
         wait_healthy(self.proc, self.url, log_path)
         self.acked: list[tuple[str, str]] = []  # (session, turn uid) of every answered turn
 
@@ -227,7 +201,7 @@ def test_accept_out_of_descriptors_is_counted_not_a_traceback_flood(tmp_path):
     port, log_path = free_port(), tmp_path / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-c", EMFILE_SERVER, str(port)], cwd=REPO,
-                                env={**clean_env(), "PYTHONPATH": str(REPO)}, stdout=log,
+                                env={**server_env(), "PYTHONPATH": str(REPO)}, stdout=log,
                                 stderr=subprocess.STDOUT)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", log_path)
@@ -251,7 +225,7 @@ def test_accept_out_of_descriptors_is_counted_not_a_traceback_flood(tmp_path):
 def test_second_server_on_the_same_data_dir_exits_naming_the_first(srv):
     srv.turn("row6")
     t0 = time.monotonic()
-    second = subprocess.run(serve_cmd(srv.data_dir, free_port()), cwd=REPO, env=clean_env(),
+    second = subprocess.run(serve_cmd(srv.data_dir, free_port()), cwd=REPO, env=server_env(),
                             capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0
     assert second.returncode == 2, (second.returncode, second.stderr[-2000:])

@@ -29,7 +29,8 @@ from rlproxy.records import read_jsonl
 from test_poison import (
     COMMON, REPO, REWARD_MODULE, chat, health, journal, kill_inside, serve, trained_uids,
 )
-from test_durability import free_port, stop
+from serve_process import free_port, server_env, wait_healthy
+from test_durability import stop
 
 # ~1,500 prompt tokens: a step over one takes a few seconds on the tiny model with
 # --prompt-grad full (2-core CPU), long enough to see its start and kill inside it
@@ -153,10 +154,7 @@ def serve_with(data: Path, tmp: Path, log: Path, *flags: str):
     """`rlproxy serve` with training (one turn per step, a checkpoint each step) and the
     prefix cache on; waits until /healthz answers 200."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RLPROXY_") or k == "RLPROXY_CACHE_DIR"}
-    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
-        [str(tmp), str(REPO), env.get("PYTHONPATH", "")]))
+    env = server_env(tmp, REPO)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port",
@@ -165,17 +163,8 @@ def serve_with(data: Path, tmp: Path, log: Path, *flags: str):
              "--baseline", "none", "--save-interval", "1", "--keep-checkpoints", "5", *flags],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()}"
-        try:
-            if requests.get(url + "/healthz", timeout=2).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"server did not answer in 120 s:\n{log.read_text()}")
+    wait_healthy(proc, url, log)
+    return proc, url
 
 
 def sigterm(proc) -> None:

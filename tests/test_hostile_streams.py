@@ -14,7 +14,6 @@ exits 0, and every acknowledged turn is a whole line of conversations.jsonl.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -26,17 +25,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from serve_process import free_port, server_env, wait_healthy
 from conftest import ServerThread, make_settings, read_records
 
 REPO = Path(__file__).resolve().parents[1]
 BAN_EOS = {"0": -100, "2": -100}  # the tiny model's end tokens
 PROMPT = [{"role": "user", "content": "Tell me a long story about the sea."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Serve:
@@ -45,23 +39,14 @@ class Serve:
     def __init__(self, data: Path, *flags: str):
         self.data, self.port = data, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("RLPROXY_") or k == "RLPROXY_CACHE_DIR"}
+        env = server_env()
         self.log = data / "server.log"
         data.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port",
              str(self.port), "--data-dir", str(data), "--no-judge", "--log-level", "INFO",
              *flags], cwd=REPO, env=env, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if requests.get(self.url + "/healthz", timeout=2).ok:
-                    return
-            except requests.ConnectionError:
-                time.sleep(0.1)
-        raise AssertionError("server not healthy after 120 s:\n" + self.log.read_text())
+        wait_healthy(self.proc, self.url, self.log)
 
     def engine(self) -> dict:
         return requests.get(self.url + "/healthz", timeout=10).json()["engine"]

@@ -31,7 +31,8 @@ from rlproxy.training.items import released_turns
 from rlproxy.training.journal import JOURNAL
 from rlproxy.training.loop import Trainer, training_copy
 from conftest import ServerThread, make_settings, read_records
-from test_durability import free_port, read_lines, stop
+from serve_process import free_port, server_env, wait_healthy
+from test_durability import read_lines, stop
 
 REPO = Path(__file__).resolve().parents[1]
 REWARD_MODULE = "def reward(turn, next_state):\n    return 1.0\n"
@@ -51,10 +52,7 @@ def serve(data: Path, tmp: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """`rlproxy serve` with training on, one turn per step and a reward function; waits until
     /healthz answers, without asserting it is ok (the caller checks)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RLPROXY_") or k == "RLPROXY_CACHE_DIR"}
-    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
-        [str(tmp), str(REPO), env.get("PYTHONPATH", "")]))
+    env = server_env(tmp, REPO)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port", str(port), "--data-dir",
@@ -64,16 +62,8 @@ def serve(data: Path, tmp: Path, log: Path) -> tuple[subprocess.Popen, str]:
              "--save-interval", "1000", "--no-prefix-cache", "--prompt-grad", "full"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()}"
-        try:
-            requests.get(url + "/healthz", timeout=2)
-            return proc, url
-        except requests.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"server did not answer in 120 s:\n{log.read_text()}")
+    wait_healthy(proc, url, log, ok_only=False)
+    return proc, url
 
 
 def client(url: str) -> openai.OpenAI:
