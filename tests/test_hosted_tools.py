@@ -97,6 +97,11 @@ def test_a_namespace_of_hosted_tools_goes_and_a_hosted_choice_is_a_400(drop_serv
                                 tool_choice={"type": "web_search_preview"})
     assert e.value.body["param"] == "tool_choice"
     assert "--hosted-tools drop" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # required, and every tool was hosted
+        client.responses.create(model="m", input="hi", max_output_tokens=2,
+                                tools=[{"type": "web_search"}], tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
+    assert "every tool offered is hosted (web_search)" in e.value.body["message"]
 
 
 def test_anthropic_server_tools_are_dropped_too(drop_server, tiny, caplog):

@@ -131,6 +131,8 @@ def test_stalled_readers_are_cut_off_and_never_hold_the_batch(serve):
         s.close()
     log = srv.log.read_text()
     assert log.count("client_stalled") == 16, log[-3000:]
+    metrics = requests.get(srv.url + "/metrics", timeout=10).text
+    assert 'rlproxy_client_stalled_total{api="chat"} 16.0' in metrics, metrics[-2000:]
     # A client that went away is not recorded: only the normal request's turn is.
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(timeout=60) == 0

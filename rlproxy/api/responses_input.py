@@ -193,6 +193,10 @@ def drop_hosted_tools(r: ResponsesRequest) -> list[str]:
                 continue
             t = {**t, "tools": inner}
         kept.append(t)
+    if dropped and not kept and r.tool_choice == "required":  # a tool nothing here can run
+        raise APIError(400, f"tool_choice: 'required', but every tool offered is hosted "
+                       f"({', '.join(dropped)}), which rlproxy does not run (--hosted-tools "
+                       "drop left none); offer a function tool", param="tool_choice")
     if dropped:
         r.tools = kept or None
     return dropped

@@ -262,6 +262,7 @@ async def run_call(call: Call, write: Write) -> tuple[web.StreamResponse, object
             watch.cancel()
         call.gen.cancel()  # no-op for finished choices; stops generation for a gone client
         if stalled or call.gen.stalled:
+            metrics.STALLED.labels(call.api).inc()
             log.info("client_stalled: a %s stream was not read; generation stopped after %d "
                      "tokens, turn not recorded", call.api, call.gen.decoded)
         if call.turn is not None:

@@ -76,9 +76,12 @@ STALENESS = Histogram("rlproxy_train_staleness_versions", "Adapter versions betw
 SWAP_PAUSE = Histogram("rlproxy_adapter_swap_pause_seconds", "Decoding paused to apply a new "
                        "adapter", buckets=(.0001, .00025, .0005, .001, .0025, .005, .01, .025,
                                            .05, .1, .25), registry=None)
+STALLED = Counter("rlproxy_client_stalled", "Streams cut off because their client read "
+                  "nothing for --stall-timeout-s or fell too far behind, by API", ["api"],
+                  registry=None)
 OBSERVED = (REQUESTS, TURNS, PROMPT_TOKENS, CACHED_PROMPT_TOKENS, COMPLETION_TOKENS, TTFT, E2E,
             TPOT, JUDGE_CALLS, JUDGE_FAILURES, JUDGE_LATENCY, REWARD, STEP_TIME, LOSS, KL,
-            GRAD_NORM, REWARD_MEAN, STALENESS, SWAP_PAUSE)
+            GRAD_NORM, REWARD_MEAN, STALENESS, SWAP_PAUSE, STALLED)
 
 
 # ---- observation points (one-line calls from the loop) ----
