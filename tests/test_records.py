@@ -12,6 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from rlproxy import records
 from rlproxy.records import JsonlWriter, all_written, follow_jsonl, read_jsonl, written
 
 
@@ -134,9 +135,13 @@ def test_a_torn_last_line_never_glues_to_the_next(tmp_path):
     assert [r["i"] for r in read_jsonl(path)] == [0, 2]
 
 
-def test_a_full_disk_is_reported_and_the_writer_goes_on(tmp_path):
+def test_a_full_disk_is_reported_and_the_writer_goes_on(tmp_path, monkeypatch):
     if not Path("/dev/full").exists():
         pytest.skip("needs /dev/full (Linux)")
+    # the failing-files book is process-wide: /dev/full (never any space) must not stay in it
+    # for the tests that run after this one in the same worker
+    monkeypatch.setattr(records, "_failing", {})
+    monkeypatch.setattr(records, "_worked", {})
     writer = JsonlWriter(Path("/dev/full"))
     with pytest.raises(OSError):
         writer.write({"i": 0})
