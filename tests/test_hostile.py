@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import socket
+import threading
 import time
 import zlib
 
@@ -352,16 +353,29 @@ def test_client_disconnects_log_one_info_line_each(http, srv, caplog):
 
 # ---- 7. admission control ----
 
+def read_until_closed(r: requests.Response) -> None:
+    try:
+        for _ in r.iter_content(4096):
+            pass
+    except Exception:  # noqa: BLE001  (closed by the test: the end it waits for)
+        pass
+
+
 def test_past_max_queued_requests_is_a_429_with_retry_after(http, srv, tiny):
     no_eos = {str(t): -100 for t in tiny.tokenizer.eos_token_ids}
     long = {**B, "max_tokens": 20000, "stream": True, "logit_bias": no_eos}
     sessions = [requests.Session() for _ in range(QUEUED)]  # kept: a collected one hangs up
     held = [post(session, srv, "/v1/chat/completions", long, stream=True)
             for session in sessions]
+    readers = []
     try:
         for r in held:
             assert r.status_code == 200
             next(r.iter_lines())  # generating
+            # and read on, as a live client does: a stream nobody reads is cut off (a stalled
+            # reader must not hold its slot), and would leave the gate
+            readers.append(threading.Thread(target=read_until_closed, args=(r,), daemon=True))
+            readers[-1].start()
         for path, body in POST_ROUTES[:3]:
             r = post(http, srv, path, body)
             err = assert_api_error(r, path, 429)
@@ -377,6 +391,8 @@ def test_past_max_queued_requests_is_a_429_with_retry_after(http, srv, tiny):
         for r, session in zip(held, sessions):
             r.close()
             session.close()
+        for t in readers:
+            t.join(timeout=10)
     deadline = time.time() + 30
     while http.get(srv.url + "/healthz").json()["requests"]["admitted"] and \
             time.time() < deadline:

@@ -129,6 +129,10 @@ class Interrupted(Exception):
 # 4 normal streams beside 16 stalled ones on 2 loaded cores); 128 still covers an event-loop
 # pause of 0.4 s at the tiny model's fastest single-sequence rate (~300 steps/s).
 MAX_BACKLOG = 128
+# ... for longer than this: a reader that pauses (a GC, a busy terminal) once its buffers are
+# full catches up instead of losing its stream. A hard cap bounds the memory meanwhile.
+BACKLOG_GRACE_S = 2.0
+HARD_BACKLOG = 16 * MAX_BACKLOG
 _STALLED = object()  # queued after a choice's last step when its reader fell behind
 
 
@@ -161,6 +165,7 @@ class Generation:
         self.max_backlog = max_backlog
         self._produced, self._consumed = [0] * len(params), [0] * len(params)
         self._cut = [False] * len(params)
+        self._behind_since: list[float | None] = [None] * len(params)  # the engine thread's
         self.jobs = []
         for i, p in enumerate(params):
             job = Job(prompt.ids, p, None)
@@ -177,8 +182,13 @@ class Generation:
             return  # decoded before the cancel reached the engine
         self._produced[i] += 1
         self._loop.call_soon_threadsafe(self.queue.put_nowait, (i, step))
-        if step.finish_reason is None and self._produced[i] - self._consumed[i] > \
-                self.max_backlog:
+        backlog = self._produced[i] - self._consumed[i]
+        if step.finish_reason is not None or backlog <= self.max_backlog:
+            self._behind_since[i] = None
+            return
+        now = time.monotonic()
+        since = self._behind_since[i] = self._behind_since[i] or now
+        if now - since >= BACKLOG_GRACE_S or backlog > HARD_BACKLOG:
             self._cut[i] = True
             self.engine.cancel(job)
             self._loop.call_soon_threadsafe(self.queue.put_nowait, (i, _STALLED))
