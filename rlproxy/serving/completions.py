@@ -114,7 +114,8 @@ class EngineFailure(Exception):
 
 class Interrupted(Exception):
     """A generation ended from outside before its end: `reason` is "client_stalled" (its
-    reader fell MAX_BACKLOG steps behind) or "shutdown" (the server is stopping)."""
+    reader stayed MAX_BACKLOG steps behind for BACKLOG_GRACE_S) or "shutdown" (the server is
+    stopping)."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
