@@ -150,7 +150,9 @@ def test_silent_connections_past_the_cap_leave_healthz_answering(srv):
     t0 = time.monotonic()
     r = requests.get(srv.url + "/healthz", timeout=5)
     took = time.monotonic() - t0
-    assert r.status_code == 200 and took < 1.0, (r.status_code, took)
+    # without the cap it never answers (the flood holds every slot); 3-30 ms on a quiet
+    # machine, seconds while the rest of the suite loads both cores
+    assert r.status_code == 200 and took < 4.0, (r.status_code, took)
     srv.turn("row2")  # and a turn is served and recorded
     open_now = sum(not closed(s) for s in silent)
     assert open_now <= CAP, open_now  # the rest were closed to make room
