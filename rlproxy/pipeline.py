@@ -20,6 +20,7 @@ from aiohttp import web
 
 from rlproxy.appkeys import ENGINE, MODEL, SCORER, SESSIONS, TRAINER
 from rlproxy.ops.progress import phase
+from rlproxy.remote.learner import remote_learner
 from rlproxy.scoring.judges import LocalJudge, RemoteJudge
 from rlproxy.scoring.scorer import Scorer
 from rlproxy.serving.engine import Engine
@@ -88,13 +89,19 @@ def make_judges(settings: Settings, engine: Engine):
 
 
 def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine) -> Trainer:
-    with phase("made the trainer's model"):
-        model = training_copy(loaded)  # on the main thread: see app.py's engine_context
+    with phase("made the trainer's model"):  # no local weights with --sampler tinker
+        model = training_copy(loaded) if loaded.model is not None else None
+    learner = None  # the local one; --trainer tinker: a Tinker service's (remote/learner.py)
+    if settings.remote.trainer == "tinker":
+        with phase("joined the Tinker run"):
+            learner = remote_learner(settings, loaded, model)
     ref = load_base_model(settings.model)[0] if settings.trainer.kl_coef > 0 else None
     trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref,
-                      vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer)
+                      vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer, learner=learner)
     try:
         trainer.resume()
+        if learner is not None:  # serve the run's newest weights (another replica's steps)
+            trainer.sync_now()
         # released before a restart but not trained yet: train them now (the trainer has read
         # its journal: quarantined turns stay out, a crashed step's turns come back alone)
         s = settings.scoring

@@ -136,8 +136,9 @@ def dumps_line(record: dict) -> bytes:
 class JsonlWriter:
     """Appends whole lines to one file; safe to call from any thread."""
 
-    def __init__(self, path: Path, fsync: bool = True):
+    def __init__(self, path: Path, fsync: bool = True, stamp: dict | None = None):
         self.path = Path(path)
+        self.stamp = stamp or {}  # fields every line carries (e.g. the trainer's backend)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -164,7 +165,7 @@ class JsonlWriter:
     def write_nowait(self, record: dict) -> Future:
         """Queue one line; the future is done once it is on disk (fsynced unless turned off).
         Serialized here, so a record that cannot be written raises in its caller."""
-        line, ours, done = dumps_line(record), Future(), Future()
+        line, ours, done = dumps_line({**record, **self.stamp}), Future(), Future()
         with self._cond:
             if self._closing:
                 raise RuntimeError(f"{self.path.name}: the writer is closed")

@@ -11,11 +11,14 @@ default says `default: ...`; otherwise the help adds the value.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator,
+)
 
 from rlproxy.scoring.judging import STD_FLOOR  # noqa: E402  (the floor's default, documented there)
 
@@ -354,6 +357,46 @@ class SessionSettings(Section):
         return v
 
 
+class RemoteSettings(Section):
+    """A learner (and optionally the sampler) elsewhere, over the Tinker API (README "Train
+    elsewhere"): the hosted Tinker service, another rlproxy, or any Tinker-compatible server."""
+
+    trainer: Literal["local", "tinker"] = Field(
+        "local", description="where the adapter trains: local (this process) or tinker (send "
+        "each batch to a Tinker service: --tinker-url, TINKER_API_KEY)")
+    sampler: Literal["local", "tinker"] = Field(
+        "local", description="where tokens are sampled: local (this process's MLX engine) or "
+        "tinker (a Tinker SamplingClient for the current weights; no local weights are loaded, "
+        "only the tokenizer of --model)")
+    tinker_url: str | None = Field(
+        None, description="the Tinker service's base URL, e.g. http://learner:8000 for an "
+        "rlproxy learner (default: the tinker SDK's, the hosted service, or TINKER_BASE_URL)")
+    tinker_api_key: str | None = Field(
+        None, description="key for the Tinker service (default: the TINKER_API_KEY "
+        "environment variable)")
+    tinker_base_model: str | None = Field(
+        None, description="base model name on the Tinker service (default: the served model's "
+        "name)")
+    tinker_run: str | None = Field(
+        None, description="training run to create or rejoin by name: replicas with the same "
+        "name train one adapter, and a restart resumes it from its last saved state (default: "
+        "one named after this data dir, kept in <data_dir>/remote.json)")
+    sync_every: int = Field(
+        1, ge=1, description="with --trainer tinker, fetch the learner's weights and swap them "
+        "in after every N optimizer steps")
+    tinker_timeout_s: float = Field(
+        120.0, gt=0, description="longest wait for one Tinker call before it counts as failed "
+        "and the batch is retried")
+
+    @field_validator("tinker_run")
+    @classmethod
+    def _run_name(cls, v):
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}", v):
+            raise ValueError("a run name is 1-128 letters, digits, '.', '_' or '-', not "
+                             "starting with '.'")
+        return v
+
+
 class Settings(Section):
     server: ServerSettings = ServerSettings()
     model: ModelSettings = ModelSettings()
@@ -363,6 +406,24 @@ class Settings(Section):
     trainer: TrainerSettings = TrainerSettings()
     records: RecordSettings = RecordSettings()
     sessions: SessionSettings = SessionSettings()
+    remote: RemoteSettings = RemoteSettings()
+
+    @model_validator(mode="after")
+    def _remote_fits(self):
+        """What a learner or sampler elsewhere cannot do (the Tinker API has no such terms)."""
+        r, t = self.remote, self.trainer
+        if r.trainer == "tinker" and t.train:
+            for name, value in (("kl_coef", t.kl_coef), ("entropy_coef", t.entropy_coef)):
+                if value > 0:
+                    raise ValueError(f"--trainer tinker: the Tinker API's losses have no "
+                                     f"{name} term; set --{name.replace('_', '-')} 0")
+            if t.eval_every:
+                raise ValueError("--trainer tinker: the eval gate runs with the local "
+                                 "learner only for now; set --eval-every 0")
+        if r.sampler == "tinker" and t.train and r.trainer != "tinker":
+            raise ValueError("--sampler tinker has no local weights to train: add --trainer "
+                             "tinker, or --no-train")
+        return self
 
 
 SECTIONS = {name: field.annotation for name, field in Settings.model_fields.items()}
@@ -422,6 +483,7 @@ def load_settings(
         return Settings(**merged)
     except ValidationError as e:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"]
+            else err["msg"].removeprefix("Value error, ") for err in e.errors()
         )
         raise ValueError(f"invalid settings: {problems}") from None

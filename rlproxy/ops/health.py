@@ -1,9 +1,9 @@
 """`/healthz`: one JSON object about the whole server, collected from what each component
 reports about itself (its `health()`), and the status code that goes with it.
 
-Reads the app's objects by the keys in appkeys.py and imports none of them; the HTTP handler is
-app.py's. The object's keys and their order are a contract (`rlproxy status`, probes, tests):
-add, never rename.
+Reads the app's objects by the keys in appkeys.py and imports none of them (the Tinker API's
+key is tinker/state.py's, a module without MLX); the HTTP handler is app.py's. The object's
+keys and their order are a contract (`rlproxy status`, probes, tests): add, never rename.
 
 `status` is "ok", "degraded" (serving, but a record file's last write failed: a full disk;
 `disk.failing` names each file, and the status is ok again once a write to it succeeds; the
@@ -21,6 +21,7 @@ from rlproxy import records
 from rlproxy.appkeys import (
     ADMISSION, ENGINE, MODEL, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER,
 )
+from rlproxy.tinker.state import TINKER
 
 NO_PREFIX_CACHE = {"enabled": False, "reason": "--no-prefix-cache"}
 
@@ -53,6 +54,7 @@ def health(app: web.Application, blas: str) -> tuple[dict, int]:
         "trainer": trainer_health(app),
         "uptime_s": round(time.time() - app[STARTED], 1),
         "disk": {"failing": failing},
+        "tinker": tinker_health(app),
     }
     return body, 200 if ok else 503
 
@@ -65,3 +67,9 @@ def prefix_cache_health(app: web.Application) -> dict:
 def trainer_health(app: web.Application) -> dict:
     trainer = app.get(TRAINER)
     return trainer.health() if trainer is not None else {"enabled": False}
+
+
+def tinker_health(app: web.Application) -> dict:
+    """The Tinker API's live runs, client handles and sampling sessions, and the calls done."""
+    tinker = app.get(TINKER)
+    return {"enabled": True, **tinker.health()} if tinker is not None else {"enabled": False}

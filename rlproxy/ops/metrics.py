@@ -10,7 +10,8 @@ counted by api/edge.py's `metrics_middleware` (`REQUESTS`). Those are process-wi
 server per process); each app's registry exposes them beside its own live collector.
 
 A leaf: imports no rlproxy module at run time but appkeys.py (by whose keys it reads the app's
-objects; it imports none of them), ops/logs.py (the served adapter version its JSON lines
+objects; it imports none of them), tinker/state.py (the Tinker API's key; no MLX there),
+ops/logs.py (the served adapter version its JSON lines
 carry) and records.py (the failed writes per file, process-wide), none of which imports
 anything of rlproxy, so any component may call into it. Owns
 no state of the loop, and nothing here touches MLX.
@@ -31,6 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from rlproxy import records
 from rlproxy.appkeys import ADMISSION, ENGINE, METRICS, MODEL, SCORER, SESSIONS, TRAINER
 from rlproxy.ops import logs
+from rlproxy.tinker.state import TINKER
 
 recent_ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, seconds): the dashboard
 
@@ -222,6 +224,9 @@ class LiveCollector:
                         t["queued"])
             yield gauge("rlproxy_training_paused", "1 while training is paused",
                         int(t["paused"]))
+        tinker = app.get(TINKER)
+        if tinker is not None:
+            yield from tinker_metrics(tinker.health())
         errors = CounterMetricFamily("rlproxy_disk_write_errors", "Record writes that failed "
                                      "(a full disk), by file; nothing of them was kept",
                                      labels=["path"])
@@ -251,6 +256,19 @@ def prefix_cache_metrics(c: dict):
     evicted.add_metric(["stale"], c["evicted_stale"])
     evicted.add_metric(["budget"], c["evicted_budget"])
     yield evicted
+
+
+def tinker_metrics(t: dict):
+    """From the Tinker API's `health()` (tinker/state.py)."""
+    yield gauge("rlproxy_tinker_models", "Tinker training runs in memory (a named run shared "
+                "by several clients counts once)", t["models"])
+    yield gauge("rlproxy_tinker_handles", "Tinker training clients (handles) bound to a run",
+                t["handles"])
+    yield gauge("rlproxy_tinker_samplers", "Tinker sampling sessions open", t["samplers"])
+    yield counter("rlproxy_tinker_forward_backward", "Tinker forward_backward calls that "
+                  "accumulated gradients (forward-only calls not counted)", t["forward_backward"])
+    yield counter("rlproxy_tinker_optim_steps", "Tinker optimizer steps applied",
+                  t["optim_steps"])
 
 
 # ---- wiring ----

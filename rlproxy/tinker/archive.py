@@ -1,5 +1,12 @@
-"""GET handlers for a Tinker run's saved checkpoints: the listing, and one checkpoint's
-directory as a .tar.gz download. Saving and loading are routes.py's (through the worker).
+"""GET handlers for a Tinker run's saved checkpoints: the listing, one checkpoint's directory as
+a .tar.gz download, and an external_weights checkpoint's files one by one (the URLs that
+`RestClient.get_external_weights_urls` answers, and the route each URL names). Saving and
+loading are routes.py's (through the worker).
+
+The file URLs are absolute, built from the request's scheme and host (X-Forwarded-Proto and
+X-Forwarded-Host when a proxy such as nginx sets them), and sit behind the app's auth middleware
+like every other route: a client fetching them sends its key, as the SDK does. They are not
+signed and do not expire; `expires` is only there because the SDK's response type requires it.
 """
 
 from __future__ import annotations
@@ -7,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import io
 import tarfile
+from datetime import datetime, timedelta, timezone
 
 from aiohttp import web
 
 from rlproxy.api.edge import json_response
-from rlproxy.tinker.state import KINDS, checkpoint_dir, run_name, state
+from rlproxy.tinker.state import KINDS, checked_name, checkpoint_dir, run_name, state
 from rlproxy.tinker.wire import UserError
 
 
@@ -20,7 +28,7 @@ async def list_checkpoints(request):
     st, model_id = state(request), request.match_info["model_id"]
     tm = st.models.get(model_id)
     try:
-        run = tm.run if tm else run_name(model_id)
+        run = tm.run.name if tm else model_id if model_id in st.runs else run_name(model_id)
     except UserError as e:
         return json_response({"error": str(e), "category": "user"}, status=400)
     out = []
@@ -28,7 +36,8 @@ async def list_checkpoints(request):
         for p in sorted((st.root / run / kind).glob("*"), key=lambda p: p.stat().st_mtime):
             if (p / "adapters.safetensors").exists():
                 out.append({"checkpoint_id": f"{kind}/{p.name}", "checkpoint_type":
-                            "training" if kind == "weights" else "sampler",
+                            {"weights": "training", "sampler_weights": "sampler"}.get(
+                                kind, "external"),
                             "tinker_path": f"tinker://{run}/{kind}/{p.name}",
                             "size_bytes": sum(f.stat().st_size for f in p.iterdir())})
     return json_response({"checkpoints": out})
@@ -53,3 +62,56 @@ async def download_checkpoint(request):
     data = await asyncio.get_running_loop().run_in_executor(None, pack)
     return web.Response(body=data, content_type="application/gzip", headers={
         "Content-Disposition": f'attachment; filename="{path.name}.tar.gz"'})
+
+
+URLS_VALID = timedelta(hours=1)  # what `expires` says; nothing enforces it
+
+
+def external_folder(request):
+    """(the checkpoint's folder, None) or (None, an error answer)."""
+    try:
+        path = checkpoint_dir(state(request), request.match_info["run"], "external_weights",
+                              request.match_info["name"])
+    except UserError as e:
+        return None, json_response({"error": str(e), "category": "user"}, status=400)
+    if not path.is_dir():
+        return None, json_response({"error": f"no external weights {path.name!r} in run "
+                                    f"{request.match_info['run']!r}", "category": "user"},
+                                   status=404)
+    return path, None
+
+
+def origin(request) -> str:
+    """scheme://host as the client reached us, through a proxy's forwarded headers if any."""
+    scheme = request.headers.get("X-Forwarded-Proto", request.scheme).split(",")[0].strip()
+    host = request.headers.get("X-Forwarded-Host", request.host).split(",")[0].strip()
+    return f"{scheme}://{host}"
+
+
+async def external_urls(request):
+    """GET training_runs/{run}/checkpoints/external_weights/{name}/external_weights_urls:
+    {"urls": {file: absolute URL}, "expires": ISO time}."""
+    path, error = external_folder(request)
+    if error is not None:
+        return error
+    base = (f"{origin(request)}/api/v1/training_runs/{request.match_info['run']}/checkpoints/"
+            f"external_weights/{path.name}/files")
+    files = sorted(f.name for f in path.iterdir() if f.is_file())
+    expires = datetime.now(timezone.utc) + URLS_VALID
+    return json_response({"urls": {f: f"{base}/{f}" for f in files},
+                          "expires": expires.isoformat()})
+
+
+async def external_file(request):
+    """GET .../external_weights/{name}/files/{file}: one file's bytes."""
+    path, error = external_folder(request)
+    if error is not None:
+        return error
+    try:
+        name = checked_name("file", request.match_info["file"])
+    except UserError as e:
+        return json_response({"error": str(e), "category": "user"}, status=400)
+    if not (path / name).is_file():
+        return json_response({"error": f"no file {name!r} in {path.name!r}",
+                              "category": "user"}, status=404)
+    return web.FileResponse(path / name, headers={"Content-Type": "application/octet-stream"})

@@ -1,10 +1,16 @@
-"""Tinker training clients: each its own LoRA model on the serving model's frozen base arrays,
-with its own accumulated gradients and AdamW state, all owned by ONE worker thread.
+"""Tinker training runs and the client handles that train them, all owned by ONE worker thread.
+
+A run holds LoRA weights on the serving model's frozen base arrays, its AdamW state and its step
+count. A handle (one create_model call, "SESSION:train:N") is bound to one run and keeps only its
+own accumulated gradients: several handles (replicas) may share a run (runs.py names and finds
+runs). An optim_step applies exactly its handle's batches since that handle's last step, their
+gradients taken at the run's weights when the step runs: if another handle stepped the run in
+between, the gradients are computed again from the kept batches, so interleaved clients end with
+the weights of the same steps applied one after another.
 
 The loss is training/losses.py's (the five policy losses, summed over tokens as Tinker's are),
-on the same temperature-1 log-probs the engine records (serving/logprobs.py). Gradients
-accumulate over forward_backward calls until optim_step applies them. Weights are saved in
-mlx-lm's adapter format (plus `optimizer.safetensors` and trainer_state.json, so
+on the same temperature-1 log-probs the engine records (serving/logprobs.py). Weights are saved
+in mlx-lm's adapter format (plus `optimizer.safetensors` and trainer_state.json, so
 training/checkpoints.py's load_checkpoint reads them), which `rlproxy serve --adapter`,
 `rlproxy fuse` and `mlx_lm.load` open. HTTP, request ordering and sampling live elsewhere
 (routes.py, sampling.py).
@@ -34,6 +40,8 @@ from rlproxy.training import losses
 from rlproxy.training.checkpoints import load_checkpoint, save_optimizer, written_whole
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+# optim_step's metrics: the run's optimizer steps after this one (no ':', it is no reduction)
+STEP_METRIC = "rlproxy_run_step"
 
 
 class Worker:
@@ -66,14 +74,32 @@ class Worker:
 
 
 @dataclass
-class TinkerModel:
-    model_id: str
-    run: str  # the directory (and tinker:// run) its checkpoints go under
+class Run:
+    """Weights, optimizer state and step count, shared by every handle bound to the run."""
+    name: str  # the directory (and tinker:// run) its checkpoints go under
+    base_model: str  # the serving model's id (LoadedModel.model_id)
     model: nn.Module
     lora_config: dict
     optimizer: optim.AdamW
-    grads: dict | None = None  # accumulated since the last optim_step
-    steps: int = 0
+    step: int = 0  # optimizer steps applied
+    version: int = 0  # bumped by every change of the weights (a step, a load)
+    named: bool = False  # joined by name (user_metadata rlproxy_run); else one handle's own
+    handles: set = field(default_factory=set)  # model ids bound to it
+    last_used: float = 0.0  # time.monotonic() a client last joined or left (runs.py evicts)
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_config["lora_parameters"]["rank"])
+
+
+@dataclass
+class TinkerModel:
+    """One client handle: its gradients since its last optim_step, and its request order."""
+    model_id: str
+    run: Run
+    batches: list = field(default_factory=list)  # (examples, loss, kwargs) since the last step
+    grads: dict | None = None  # their summed gradients, taken at run version `grads_at`
+    grads_at: int = -1
     next_seq: int = 1  # routes.py runs requests in seq_id order from here
     held: dict = field(default_factory=dict)
 
@@ -105,7 +131,7 @@ def lora_model(loaded, lora_config: dict, seed: int | None = None) -> nn.Module:
     return model
 
 
-def new_model(loaded, model_id: str, run: str, rank: int, seed: int | None) -> TinkerModel:
+def new_run(loaded, name: str, rank: int, seed: int | None, named: bool = False) -> Run:
     if not 1 <= rank <= 256:
         raise UserError(f"lora rank must be between 1 and 256, got {rank}")
     cfg = lora_config_for(loaded, rank)
@@ -114,12 +140,12 @@ def new_model(loaded, model_id: str, run: str, rank: int, seed: int | None) -> T
                       bias_correction=True)
     opt.init(model.trainable_parameters())
     mx.eval(opt.state)
-    return TinkerModel(model_id, run, model, cfg, opt)
+    return Run(name, loaded.model_id, model, cfg, opt, named=named)
 
 
-def memory_bytes(tm: TinkerModel) -> int:
-    """LoRA weights + AdamW moments + accumulated gradients (the base is shared)."""
-    n = sum(v.nbytes for v in lora_weights(tm.model).values())
+def memory_bytes(run: Run) -> int:
+    """LoRA weights + AdamW moments + one handle's gradients (the base is shared)."""
+    n = sum(v.nbytes for v in lora_weights(run.model).values())
     return n * 4  # weights, m, v, gradients
 
 
@@ -177,88 +203,125 @@ def loss_kwargs(config: dict) -> dict:
     return kw
 
 
-def forward_backward(tm: TinkerModel, req: dict, vocab: int, context: int):
-    """(per-datum log-probs as numpy, metrics). Adds this call's gradients to tm.grads unless
-    forward_only."""
-    try:
-        fn = losses.policy_loss(req["loss_fn"])
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    examples = _examples(req["data"], req["loss_fn"], vocab, context)
-    kw = loss_kwargs(req["loss_fn_config"])
+def _value_grads(model: nn.Module, batch: tuple, backward: bool):
+    """(summed loss, per-datum log-probs, summed gradients or None) of one batch."""
+    examples, fn, kw = batch
 
     def datum_loss(model, ex):
         logp = token_logprobs(model, ex["ids"], ex["targets"])
         return fn(logp, ex["old"], ex["adv"], ex["mask"], **kw), logp
 
-    value_grad = nn.value_and_grad(tm.model, datum_loss)
-    total, outputs = 0.0, []
+    value_grad = nn.value_and_grad(model, datum_loss)
+    total, outputs, grads = 0.0, [], None
     for ex in examples:
-        if req["forward_only"]:
-            loss, logp = datum_loss(tm.model, ex)
-            mx.eval(loss, logp)
+        if backward:
+            (loss, logp), g = value_grad(model, ex)
+            grads = g if grads is None else tree_map(mx.add, grads, g)
+            mx.eval(loss, logp, grads)
         else:
-            (loss, logp), g = value_grad(tm.model, ex)
-            tm.grads = g if tm.grads is None else tree_map(mx.add, tm.grads, g)
-            mx.eval(loss, logp, tm.grads)
+            loss, logp = datum_loss(model, ex)
+            mx.eval(loss, logp)
         total += loss.item()
         outputs.append(np.array(logp[0], dtype=np.float32))
+    return total, outputs, grads
+
+
+def forward_backward(tm: TinkerModel, req: dict, vocab: int, context: int):
+    """(per-datum log-probs as numpy, metrics) at the run's current weights. Unless
+    forward_only, keeps the batch and adds its gradients to the handle's."""
+    try:
+        fn = losses.policy_loss(req["loss_fn"])
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    batch = (_examples(req["data"], req["loss_fn"], vocab, context), fn,
+             loss_kwargs(req["loss_fn_config"]))
+    total, outputs, g = _value_grads(tm.run.model, batch, not req["forward_only"])
+    if g is not None:
+        if not tm.batches:
+            tm.grads, tm.grads_at = g, tm.run.version
+        elif tm.grads is not None and tm.grads_at == tm.run.version:
+            tm.grads = tree_map(mx.add, tm.grads, g)
+            mx.eval(tm.grads)
+        else:  # the run moved between this handle's batches: optim_step recomputes them all
+            tm.grads = None
+        tm.batches.append(batch)
     return outputs, {"loss:sum": total}
 
 
+def current_grads(tm: TinkerModel) -> dict:
+    """The handle's gradients at the run's weights now: kept if taken at this version, else
+    taken again, batch by batch in the order they came."""
+    if tm.grads is not None and tm.grads_at == tm.run.version:
+        return tm.grads
+    grads = None
+    for batch in tm.batches:
+        g = _value_grads(tm.run.model, batch, True)[2]
+        grads = g if grads is None else tree_map(mx.add, grads, g)
+        mx.eval(grads)
+    return grads
+
+
 def optim_step(tm: TinkerModel, adam: dict) -> dict:
-    """Apply the accumulated gradients with this call's AdamW hyperparameters."""
-    opt = tm.optimizer
+    """Apply the handle's gradients to its run with this call's AdamW hyperparameters."""
+    if not tm.batches:
+        raise UserError(f"optim_step on {tm.model_id}: no forward_backward since the last "
+                        "optim_step on this client, so there is nothing to apply")
+    run, opt = tm.run, tm.run.optimizer
     opt.learning_rate = float(adam.get("learning_rate", 1e-4))
     opt.betas = [float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))]
     opt.eps = float(adam.get("eps", 1e-12))
     opt.weight_decay = float(adam.get("weight_decay", 0.0))
-    metrics = {}
-    if tm.grads is not None:
-        grads, clip = tm.grads, float(adam.get("grad_clip_norm") or 0.0)
-        if clip > 0:
-            grads, norm = optim.clip_grad_norm(grads, clip)
-        else:
-            norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
-        opt.update(tm.model, grads)
-        mx.eval(tm.model.parameters(), opt.state)
-        metrics["grad_norm:mean"] = float(norm.item())
-    tm.grads = None
-    tm.steps += 1
-    return {"metrics": metrics}
+    grads, clip = current_grads(tm), float(adam.get("grad_clip_norm") or 0.0)
+    if clip > 0:
+        grads, norm = optim.clip_grad_norm(grads, clip)
+    else:
+        norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
+    opt.update(run.model, grads)
+    mx.eval(run.model.parameters(), opt.state)
+    tm.batches, tm.grads = [], None
+    run.step += 1
+    run.version += 1
+    return {"metrics": {"grad_norm:mean": float(norm.item()), STEP_METRIC: float(run.step)}}
 
 
 # ---- weights on disk ----
 
 def save(tm: TinkerModel, path: Path, with_optimizer: bool) -> Path:
-    """Adapter in mlx-lm's format (+ optimizer state), written to a temp dir and renamed."""
+    """The run's adapter in mlx-lm's format (+ optimizer state), written to a temp dir and
+    renamed. trainer_state.json carries the run's step, which runs.py resumes from."""
+    run = tm.run
     with written_whole(path) as tmp:
-        save_adapter(tm.model, tm.lora_config, tmp)
+        save_adapter(run.model, run.lora_config, tmp)
         if with_optimizer:
-            save_optimizer(tmp, tm.optimizer.state)
-        (tmp / TRAINER_STATE).write_text(json.dumps({"step": tm.steps, "adapter_version": tm.steps,
-                                             "model_id": tm.model_id}))
+            save_optimizer(tmp, run.optimizer.state)
+        (tmp / TRAINER_STATE).write_text(json.dumps({
+            "step": run.step, "adapter_version": run.step, "model_id": tm.model_id,
+            "run": run.name, "base_model": run.base_model}))
     return path
 
 
 def load(tm: TinkerModel, path: Path, with_optimizer: bool) -> None:
+    """Saved weights (+ optimizer state and step) into the handle's run; drops the handle's
+    gradients (the weights they were taken at are gone)."""
+    run = tm.run
     if not (path / "adapters.safetensors").exists():
         raise UserError(f"no saved weights at {path.name!r}")
     if with_optimizer and not (path / "optimizer.safetensors").exists():
         raise UserError(f"{path.name!r} was saved without optimizer state (save_weights_for_"
                         "sampler); load it with load_state, not load_state_with_optimizer")
     adapter = mx.load(str(path / "adapters.safetensors"))
-    mine = {k: v.shape for k, v in lora_weights(tm.model).items()}
+    mine = {k: v.shape for k, v in lora_weights(run.model).items()}
     if {k: v.shape for k, v in adapter.items()} != mine:
         raise UserError(f"{path.name!r} holds an adapter of another rank or layout than this "
                         "model's")
-    tm.model.update(tree_unflatten(list(adapter.items())))
+    run.model.update(tree_unflatten(list(adapter.items())))
     if with_optimizer:
         _, opt_state, state = load_checkpoint(path)
-        tm.optimizer.state = opt_state
-        tm.steps = int(state.get("step", 0))
-    tm.grads = None
-    mx.eval(tm.model.parameters(), tm.optimizer.state)
+        run.optimizer.state = opt_state
+        run.step = int(state.get("step", 0))
+    run.version += 1
+    tm.batches, tm.grads = [], None
+    mx.eval(run.model.parameters(), run.optimizer.state)
 
 
 def config_of(path: Path) -> dict:

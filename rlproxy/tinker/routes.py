@@ -1,8 +1,9 @@
 """The Tinker API's HTTP side: /api/v1/* handlers on the proxy's own app and port.
 
 Every training call answers {"request_id"} at once; its work runs on the Tinker worker thread
-(models.py) and its outcome is fetched through `retrieve_future` (futures.py). A model's requests
-run in `seq_id` order (the SDK sends one forward_backward's chunks in parallel): a request that
+(models.py; runs.py binds a new client handle to its run, shared when create_model names one in
+user_metadata) and its outcome is fetched through `retrieve_future` (futures.py). A handle's
+requests run in `seq_id` order (the SDK sends one forward_backward's chunks in parallel): one that
 arrives early is held until those before it have started, or until GAP_S passes (a seq_id the
 client never sent). Bad input fails the request's future with category "user"; a name that
 would become a path and is not a plain one (state.py's checked_name) is a 400 at once. Auth is
@@ -21,8 +22,10 @@ from rlproxy import paths
 from rlproxy.api.edge import json_response
 from rlproxy.appkeys import ENGINE, MODEL, SETTINGS
 from rlproxy.ops.health import served_names
-from rlproxy.tinker import models, wire
-from rlproxy.tinker.archive import download_checkpoint, list_checkpoints
+from rlproxy.tinker import models, runs, wire
+from rlproxy.tinker.archive import (
+    download_checkpoint, external_file, external_urls, list_checkpoints,
+)
 from rlproxy.tinker.sampling import Samplers, asample
 from rlproxy.tinker.state import (
     TINKER, TinkerState, checked_name, checkpoint_dir, parse_path, read_json, run_name, state,
@@ -148,33 +151,18 @@ async def create_model(request):
         model_id = new_model_id(body)
     except UserError as e:
         return user_error(e)
-    rid = create(st, model_id, int((body.get("lora_config") or {}).get("rank", 8)),
-                 (body.get("lora_config") or {}).get("seed"))
-    return json_response({"request_id": rid, "model_id": model_id})
-
-
-def create(st: TinkerState, model_id: str, rank: int, seed, load_from=None) -> str:
-    if len(st.models) >= st.max_models:
-        each = max(map(models.memory_bytes, st.models.values()), default=0) / 2**20
-        return fail(st, f"this server already holds {len(st.models)} Tinker training models "
-                    f"(--tinker-max-models {st.max_models}; about {each:.1f} MiB each); "
-                    "finish a session or raise the limit")
-    run = run_name(model_id)
-
-    def build():
-        tm = models.new_model(st.loaded, model_id, run, rank, seed)
-        if load_from is not None:
-            models.load(tm, *load_from[:2])
-        return tm
-
-    def register(tm):
-        st.models[model_id] = tm
-        if load_from is not None:
-            return {"path": load_from[2], "type": "load_weights"}
-        return {"model_id": model_id, "type": "create_model"}
-    rid, go = start(st, build, then=register)
+    lora = body.get("lora_config") or {}
+    try:
+        rank = int(lora.get("rank", 8))
+        name = (body.get("user_metadata") or {}).get(runs.RUN_KEY)
+        if name is not None:
+            checked_name(f"user_metadata {runs.RUN_KEY}", name)
+    except (TypeError, ValueError) as e:  # UserError is a ValueError
+        return user_error(e if isinstance(e, UserError) else UserError(f"lora rank: {e}"))
+    rid, go = start(st, runs.attach, st, model_id, name, base, rank, lora.get("seed"),
+                    then=lambda _: {"model_id": model_id, "type": "create_model"})
     go()
-    return rid
+    return json_response({"request_id": rid, "model_id": model_id})
 
 
 async def get_info(request):
@@ -185,7 +173,7 @@ async def get_info(request):
                               "category": "user"}, status=404)
     name = served_names(request.app)[0]
     return json_response({"type": "get_info", "model_id": tm.model_id, "is_lora": True,
-                          "lora_rank": tm.lora_config["lora_parameters"]["rank"],
+                          "lora_rank": tm.run.rank,
                           "model_name": name,
                           "model_data": {"model_name": name, "tokenizer_id": st.loaded.source,
                                          "arch": type(st.loaded.model).__module__}})
@@ -208,6 +196,8 @@ async def forward_backward(request):
 
     def run(tm, req):
         out, metrics = models.forward_backward(tm, req, loaded.vocab_size, loaded.context_length)
+        if not req["forward_only"]:
+            st.forward_backward += 1
         return wire.encode_forward_backward(out, metrics)
     return sequenced(st, req["model_id"], req["seq_id"], run, req)
 
@@ -215,14 +205,19 @@ async def forward_backward(request):
 async def optim_step(request):
     st, body = state(request), await read_json(request)
     params = body.get("adam_params") or body.get("optim_params") or {}
-    return sequenced(st, body.get("model_id"), body.get("seq_id"), models.optim_step, params)
+
+    def step(tm, params):
+        answer = models.optim_step(tm, params)
+        st.optim_steps += 1
+        return answer
+    return sequenced(st, body.get("model_id"), body.get("seq_id"), step, params)
 
 
 async def save_weights(request):
     st, body = state(request), await read_json(request)
     tm = st.models.get(body.get("model_id"))
     try:
-        path = checkpoint_dir(st, tm.run if tm else "-", "weights", body.get("path"))
+        path = checkpoint_dir(st, tm.run.name if tm else "-", "weights", body.get("path"))
     except UserError as e:
         return rejected(st, body, e)
     uri = f"tinker://{path.parent.parent.name}/weights/{path.name}"
@@ -238,7 +233,7 @@ async def save_for_sampler(request):
     if ephemeral:
         name = f"ephemeral-{body.get('sampling_session_seq_id', 0)}-{uuid.uuid4().hex[:6]}"
     try:
-        path = checkpoint_dir(st, tm.run if tm else "-", "sampler_weights", name)
+        path = checkpoint_dir(st, tm.run.name if tm else "-", "sampler_weights", name)
     except UserError as e:
         return rejected(st, body, e)
     uri = f"tinker://{path.parent.parent.name}/sampler_weights/{path.name}"
@@ -249,6 +244,25 @@ async def save_for_sampler(request):
         sid = f"{body.get('model_id')}:sample:{body.get('sampling_session_seq_id', 0)}"
         st.samplers.open(sid, path, uri)
         return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
+    return sequenced(st, body.get("model_id"), body.get("seq_id"), models.save, path, False,
+                     then=answer)
+
+
+async def save_weights_external(request):
+    """The run's current adapter in rlproxy's own mlx-lm layout under external_weights/NAME,
+    for a replica to download (archive.py's external_urls lists its files)."""
+    st, body = state(request), await read_json(request)
+    tm = st.models.get(body.get("model_id"))
+    try:
+        path = checkpoint_dir(st, tm.run.name if tm else "-", "external_weights",
+                              body.get("path"))
+    except UserError as e:
+        return rejected(st, body, e)
+    uri = f"tinker://{path.parent.parent.name}/external_weights/{path.name}"
+
+    def answer(_):
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        return {"path": uri, "size_bytes": size, "type": "save_weights_external"}
     return sequenced(st, body.get("model_id"), body.get("seq_id"), models.save, path, False,
                      then=answer)
 
@@ -269,9 +283,10 @@ async def load_weights(request):
     if body.get("model_id"):
         return sequenced(st, model_id, body.get("seq_id"), models.load, path, with_opt,
                          then=lambda _: answer)
-    return json_response({"request_id": create(st, model_id, rank, None, (path, with_opt,
-                                                                          body.get("path"))),
-                          "model_id": model_id})
+    rid, go = start(st, runs.attach_loaded, st, model_id, rank, path, with_opt,
+                    then=lambda _: answer)
+    go()
+    return json_response({"request_id": rid, "model_id": model_id})
 
 
 # ---- sampling ----
@@ -338,10 +353,12 @@ async def retrieve_future(request):
 
 
 async def finish_session(request):
-    """The client closed: drop its training models (their saved weights stay on disk)."""
+    """The client closed: drop its handles and sampling sessions (runs.py's detach: a named run
+    stays; saved weights stay on disk)."""
     st, sid = state(request), request.match_info["session_id"]
-    for model_id in [m for m in st.models if m.startswith(f"{sid}:")]:
-        del st.models[model_id]
+    await asyncio.wrap_future(st.worker.run(runs.detach, st, sid))
+    for sampler in [s for s in st.samplers.sessions if s.startswith(f"{sid}:")]:
+        del st.samplers.sessions[sampler]
     return json_response({})
 
 
@@ -382,6 +399,11 @@ def add_tinker_routes(app: web.Application) -> None:
         ("POST", "retrieve_future", retrieve_future),
         ("GET", "training_runs/{model_id}/checkpoints", list_checkpoints),
         ("GET", "training_runs/{run}/checkpoints/{kind}/{name}/archive", download_checkpoint),
+        ("POST", "save_weights_external", save_weights_external),
+        ("GET", "training_runs/{run}/checkpoints/external_weights/{name}/external_weights_urls",
+         external_urls),
+        ("GET", "training_runs/{run}/checkpoints/external_weights/{name}/files/{file}",
+         external_file),
     ]
     sdk = wire.schema() is not None
     for method, path, handler in routes:

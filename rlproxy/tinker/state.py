@@ -1,6 +1,8 @@
-"""What the Tinker API keeps between requests (the worker, models, samplers, futures), the
-app key it lives under, and the small helpers every handler shares: JSON in (JSON out is
-api/edge.py's `json_response`), and where a named checkpoint lives on disk. No handlers here.
+"""What the Tinker API keeps between requests (the worker, runs, client handles, samplers,
+futures, and the counts /healthz and /metrics read through `TinkerState.health`), the app key it
+lives under, and the small helpers every handler shares: JSON in (JSON out is api/edge.py's
+`json_response`), and where a named checkpoint lives on disk. No handlers here, and no MLX: the
+worker and sampler types are named for type checkers only, so ops/ may import this module.
 
 Every client string that becomes part of a path passes `checked_name` (and the path a
 containment check), so no name reaches the disk as '.', '..', a separator or a hidden folder:
@@ -12,31 +14,42 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
 from rlproxy.tinker.futures import FutureStore
-from rlproxy.tinker.models import Worker
-from rlproxy.tinker.sampling import Samplers
 from rlproxy.tinker.wire import UserError
+
+if TYPE_CHECKING:
+    from rlproxy.tinker.models import Worker
+    from rlproxy.tinker.sampling import Samplers
 
 # fullmatch ("x\n" is not a name). No leading '.': not '.' or '..', nor the hidden temp
 # folder of a save in progress (training/checkpoints.py's written_whole), which a save replaces.
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
-KINDS = ("weights", "sampler_weights")
+KINDS = ("weights", "sampler_weights", "external_weights")
 
 
 @dataclass
 class TinkerState:
     loaded: object
     root: Path  # <data_dir>/tinker (paths.TINKER)
-    max_models: int
+    max_models: int  # live runs (each holds weights + AdamW state); a handle costs its gradient
     worker: Worker
     samplers: Samplers
     futures: FutureStore = field(default_factory=FutureStore)
-    models: dict = field(default_factory=dict)  # model_id -> TinkerModel
+    runs: dict = field(default_factory=dict)  # run name -> models.Run (changed on the worker)
+    models: dict = field(default_factory=dict)  # model_id -> models.TinkerModel (a handle)
     tasks: set = field(default_factory=set)
+    forward_backward: int = 0  # calls that accumulated gradients (not forward-only ones)
+    optim_steps: int = 0
+
+    def health(self) -> dict:
+        return {"models": len(self.runs), "handles": len(self.models),
+                "forward_backward": self.forward_backward, "optim_steps": self.optim_steps,
+                "samplers": len(self.samplers.sessions)}
 
 
 TINKER = web.AppKey("tinker", TinkerState)
@@ -67,7 +80,8 @@ def checked_name(what: str, name) -> str:
 
 
 def run_name(model_id: str) -> str:
-    """The folder a model's checkpoints go under: its id ("SESSION:train:N") with ':' as '_'."""
+    """The folder of a model's checkpoints when it joined no named run: its id
+    ("SESSION:train:N") with ':' as '_'."""
     return checked_name("model id", re.sub(r"[^A-Za-z0-9._-]", "_", str(model_id)))
 
 
@@ -86,6 +100,6 @@ def checkpoint_dir(st: TinkerState, run: str, kind: str, name) -> Path:
 def parse_path(st: TinkerState, path: str) -> Path:
     m = re.fullmatch(r"tinker://([^/]+)/([^/]+)/([^/]+)", path if isinstance(path, str) else "")
     if not m:
-        raise UserError(f"{path!r} is not a tinker://RUN/weights/NAME or "
-                        "tinker://RUN/sampler_weights/NAME path")
+        raise UserError(f"{path!r} is not a tinker://RUN/KIND/NAME path (KIND: "
+                        f"{', '.join(KINDS)})")
     return checkpoint_dir(st, m.group(1), m.group(2), m.group(3))

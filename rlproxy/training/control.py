@@ -42,10 +42,11 @@ from rlproxy.training.checkpoints import UNREADABLE, prune_checkpoints
 from rlproxy.training.gate import Verdict
 from rlproxy.training.items import item_choice, item_key
 from rlproxy.training.journal import SYSTEMIC_TURNS, lost_steps, outside_vocab, turn_length
-from rlproxy.training.learner import LayoutMismatch
+from rlproxy.training.learner import LayoutMismatch, LearnerUnavailable
 
 log = logging.getLogger("rlproxy.trainer")
 DISK_RETRY_S = 5.0  # a batch whose journal lines a full disk refused is tried again after it
+LEARNER_RETRY_MAX_S = 60.0  # a learner elsewhere that is down: retries back off 5, 10 ... 60 s
 
 
 def version_of_step(data_dir: Path, step: int) -> int:
@@ -99,9 +100,9 @@ class Control:
                 self.stats.errors_after_update += 1
                 self.error = f"after step {self.step}: {error}"
                 return lines
-            if isinstance(e, WriteFailed):  # a full disk is not the turns' fault: no charge
-                journal.end(*journal.open, error, charge=False)  # its line waits for space
-                raise  # the loop waits for space (train_or_wait_for_disk)
+            if isinstance(e, (WriteFailed, LearnerUnavailable)):  # not the turns' fault
+                journal.end(*journal.open, error, charge=False)  # (a full disk: it waits)
+                raise  # the loop waits for space or the learner (train_or_wait_for_disk)
             log.exception("training step over turns %s failed", ", ".join(uids))
             if len(batch) == 1 and journal.systemic(uids, type(e).__name__):
                 journal.end(*journal.open, error, charge=False)
@@ -126,8 +127,14 @@ class Control:
         space)."""
         try:
             self.train_journaled(batch)
-        except WriteFailed as e:
-            self.error = f"training waits for disk space: {e}"
+        except (WriteFailed, LearnerUnavailable) as e:
+            remote = isinstance(e, LearnerUnavailable)
+            self.learner_failures = self.learner_failures + 1 if remote else 0
+            wait = (min(LEARNER_RETRY_MAX_S, DISK_RETRY_S * 2 ** (self.learner_failures - 1))
+                    if remote else DISK_RETRY_S)
+            self.error = (f"training waits for the learner (try {self.learner_failures}, next "
+                          f"in {wait:g} s): {e}" if remote
+                          else f"training waits for disk space: {e}")
             log.error(self.error)
             handled, left = [], []
             with self._lock:
@@ -138,9 +145,11 @@ class Control:
             self._done(handled)  # they leave `queued`
             for item in left:
                 self.inbox.put(item)
-            time.sleep(DISK_RETRY_S)
+            time.sleep(wait)
             return False
-        if self.error and self.error.startswith("training waits for disk space"):
+        self.learner_failures = 0
+        if self.error and self.error.startswith(("training waits for disk space",
+                                                 "training waits for the learner")):
             self.error = None
         self._done(batch)
         return True

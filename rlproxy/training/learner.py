@@ -33,6 +33,11 @@ from rlproxy.training.checkpoints import (
 )
 
 
+class LearnerUnavailable(RuntimeError):
+    """A learner elsewhere could not answer now (down, slow, failing on its side): the batch
+    waits and is tried again, charging no turn (remote/learner.py raises it)."""
+
+
 class LayoutMismatch(ValueError):
     """A checkpoint of another model or LoRA layout than the learner's (its message: where)."""
 
@@ -49,6 +54,7 @@ class ForwardBackwardOutput:
 class OptimStepOutput:
     grad_norm: float  # before clipping
     learning_rate: float
+    run_step: int | None = None  # a remote run's optimizer steps, every replica's (else None)
 
 
 def training_copy(loaded) -> nn.Module:

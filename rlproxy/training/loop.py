@@ -52,13 +52,15 @@ from rlproxy.training.examples import no_signal, pack, turn_example
 from rlproxy.training.gate import make_gate
 from rlproxy.training.items import item_choice, item_key, released_turns
 from rlproxy.training.journal import StepJournal, uids_of
-from rlproxy.training.learner import LocalLearner, training_copy
+from rlproxy.training.learner import LearnerUnavailable, LocalLearner, training_copy
 from rlproxy.training.pacing import Pacer
 
 __all__ = ["Trainer", "TrainerStats", "released_turns", "training_copy"]  # app.py and cli.py's
 log = logging.getLogger("rlproxy.trainer")
 TRAINED_KEEP = 100_000  # keys remembered as trained once running (start-up reads them all)
 MAX_QUEUED = 10_000  # items waiting; past it an item waits for a restart (released_turns)
+SYNC_IDLE_S = 30.0  # remote: an idle trainer brings back the run's weights this often
+SYNC_RETRY_S = 5.0  # remote: a failed weights sync is tried again after this
 STOP_WAIT_S = 120.0  # a stop waits this long for a step; then it ends the step uncharged
 
 
@@ -86,15 +88,20 @@ class Trainer(Control):
     """The trainer thread and its state: the learner, the step and adapter version, the reward
     baseline, the books of keys, the journal, the pacer and the eval gate."""
 
-    def __init__(self, settings: Settings, model: nn.Module, lora_config: dict, engine=None,
-                 data_dir: Path | None = None, ref_model: nn.Module | None = None,
-                 vocab_size: int | None = None, tokenizer=None):
+    def __init__(self, settings: Settings, model: nn.Module | None, lora_config: dict,
+                 engine=None, data_dir: Path | None = None, ref_model: nn.Module | None = None,
+                 vocab_size: int | None = None, tokenizer=None, learner=None):
         t = settings.trainer
         self.vocab_size = vocab_size  # token ids must be below it (None: not checked)
         self.t, self.settings, self.engine = t, settings, engine
         self.data_dir = Path(data_dir or settings.records.data_dir)
-        self.learner = LocalLearner(settings, model, lora_config, self.data_dir / CHECKPOINTS,
-                                    ref_model)
+        # the learner in this process, or one elsewhere (remote/learner.py) behind its calls
+        self.learner = learner or LocalLearner(settings, model, lora_config,
+                                               self.data_dir / CHECKPOINTS, ref_model)
+        self.remote = settings.remote.trainer == "tinker"
+        self.synced_version: int | None = None  # remote: the version last brought back
+        self.last_sync = 0.0  # remote: time.monotonic() of the last weights sync or try
+        self.learner_failures = 0  # remote: batches in a row the learner could not take
         self.step = 0
         self._saved_step = 0
         self.version = engine.adapter_version if engine is not None else 0
@@ -110,7 +117,8 @@ class Trainer(Control):
         self.paused = False  # set from any thread; the loop waits in _control between batches
         self._rollback_request = None  # (checkpoint dir, Future), done on the trainer thread
         self.stats = TrainerStats()
-        self.writer = JsonlWriter(self.data_dir / TRAINING, fsync=settings.records.fsync)
+        self.writer = JsonlWriter(self.data_dir / TRAINING, fsync=settings.records.fsync,
+                                  stamp={"backend": "tinker"} if self.remote else None)
         self.trained: LRU = LRU()
         for line in read_jsonl(self.data_dir / TRAINING, report_cut=True):
             for uid in uids_of(line):
@@ -161,10 +169,12 @@ class Trainer(Control):
 
     def health(self) -> dict:
         """The trainer's object on /healthz."""
-        return {"enabled": True, "alive": self.alive, "error": self.error,
+        return {"enabled": True, "backend": "tinker" if self.remote else "local",
+                "alive": self.alive, "error": self.error,
                 "queued": self.inbox.qsize(), "step": self.step, **asdict(self.stats),
                 "quarantined": len(self.journal.quarantined),
-                "failed_steps": self.journal.failed_steps, "paused": self.paused}
+                "failed_steps": self.journal.failed_steps, "paused": self.paused,
+                **(self.learner.health() if self.remote else {})}
 
     # ---- the books: items waiting, keys handled ----
 
@@ -217,8 +227,11 @@ class Trainer(Control):
         while self._running:
             if self._suspects and self.journal.proven:
                 return [self._suspects.pop(0)]
+            wait = 1.0 if self._suspects else None
+            if self.remote:  # idle: bring back what other replicas trained, or a failed sync
+                wait = min(wait or SYNC_IDLE_S, self.sync_if_due())
             try:  # waiting suspects: look again when CLEAN_RUN_S may have made it proven
-                item = self.inbox.get(timeout=1.0 if self._suspects else None)
+                item = self.inbox.get(timeout=wait)
             except queue.Empty:
                 continue
             if item is None:
@@ -236,6 +249,39 @@ class Trainer(Control):
                 with self._lock:
                     return [self._latest.pop(item_key(s), s) for s in batch]
         return []
+
+    def sync_if_due(self) -> float:
+        """Remote learner, between batches: retry a sync that failed (every SYNC_RETRY_S), or
+        bring back the run's weights every SYNC_IDLE_S (other replicas' steps), published as
+        a new version only when they changed. The seconds until the next one is due."""
+        behind = self.synced_version != self.version and self.gate is None
+        due = SYNC_RETRY_S if behind else SYNC_IDLE_S
+        left = due - (time.monotonic() - self.last_sync)
+        if left > 0:
+            return left
+        if behind:
+            self.publish(self.version)
+            return SYNC_RETRY_S
+        self.last_sync = time.monotonic()
+        try:
+            weights = self.learner.fetch_changed()
+        except (LearnerUnavailable, ValueError) as e:
+            log.warning("could not check the run for new weights: %s", e)
+            return SYNC_IDLE_S
+        if weights is not None:
+            self.version += 1
+            self.synced_version = self.version
+            if self.engine is not None:
+                self.engine.publish_adapter(weights, self.version)
+            log.info("the run's weights changed elsewhere: serving them as version %d",
+                     self.version)
+        return SYNC_IDLE_S
+
+    def sync_now(self) -> None:
+        """Remote learner, at start-up: bring back the run's weights now (a new version if
+        they differ from what the engine serves)."""
+        self.synced_version, self.last_sync = self.version, float("-inf")
+        self.sync_if_due()
 
     # ---- the thread ----
 
@@ -348,9 +394,10 @@ class Trainer(Control):
         self.journal.applied()
         self.pacer(time.perf_counter() - unit)
         self.step += 1
-        self.version += 1
+        # a shared remote run numbers versions by its own steps, every replica's
+        self.version = max(self.version + 1, opt.run_step or 0)
         pause = self.engine.stats.last_swap_ms if self.engine is not None else None
-        if self.gate is None:
+        if self.gate is None and not (self.remote and self.step % self.settings.remote.sync_every):
             self.publish(self.version)
         else:  # published only once an evaluation passes it (training/gate.py)
             self.gate.stepped()
@@ -387,8 +434,24 @@ class Trainer(Control):
         return line
 
     def publish(self, version: int) -> None:
-        """Hand the engine the learner's adapter as VERSION (the arrays are evaluated)."""
-        weights = self.learner.save_weights_for_sampler()
+        """Hand the engine the learner's adapter as VERSION (the arrays are evaluated). A
+        remote learner's that cannot be brought back now is tried again when the trainer is
+        idle (`sync_if_due`); serving goes on with the last good adapter meanwhile."""
+        if self.remote:
+            self.last_sync = time.monotonic()
+            try:
+                weights = self.learner.sync_weights(self.engine, version)
+            except (LearnerUnavailable, ValueError) as e:  # down, or weights that do not fit
+                self.error = f"weights sync for version {version} failed: {e}"
+                log.error(self.error)
+                return
+            if self.error and self.error.startswith("weights sync"):
+                self.error = None
+            self.synced_version = version
+            if weights is None:  # --sampler tinker: the engine samples the saved path itself
+                return
+        else:
+            weights = self.learner.save_weights_for_sampler()
         if self.engine is not None:
             self.engine.publish_adapter(weights, version)
         if self.gate is not None:  # this state is now the good one

@@ -1,0 +1,281 @@
+"""RemoteLearner: training/learner.py's LocalLearner calls, answered by a Tinker service.
+
+The training loop (training/loop.py) does not know which learner it has. Here each batch goes
+out as Datums (datums.py) through the official SDK's `forward_backward`, then `optim_step` at
+the schedule's learning rate; nothing is computed on the trainer thread but the Datums. The run
+is joined by name (`user_metadata={"rlproxy_run": NAME}`: an rlproxy learner gives every
+replica of NAME a handle of its own on one shared adapter, so each optimizer step applies
+exactly one replica's batch); the weights come back through `weights.py`.
+
+A failure on the service's side (LearnerUnavailable) drops the training client: the next try
+joins the run again with a fresh handle, so a batch retried after a failure never adds its
+gradient twice. (If an optimizer step was applied and only its answer was lost, the retry
+applies the batch again: at-least-once, as any retried RPC.) A refusal (LearnerRefused: a wrong
+key, an unknown base model, a run of another base or rank) is not retried.
+
+Checkpoints stay where the loop keeps them (<data_dir>/checkpoints/step_N): the adapter last
+synced, and in trainer_state.json the `tinker_path` of the service's own saved state
+(`save_state`: weights and optimizer), which a rollback loads back into the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from rlproxy.remote import weights as remote_weights
+from rlproxy.remote.datums import loss_config, to_datums
+from rlproxy.paths import CHECKPOINTS
+from rlproxy.remote.service import (
+    LearnerRefused, LearnerUnavailable, api_key, replica_identity, resolve, service_client,
+)
+from rlproxy.serving.model import lora_weights
+from rlproxy.settings import Settings
+from rlproxy.training import schedule
+from rlproxy.training.checkpoints import read_checkpoint, save_checkpoint
+from rlproxy.training.learner import ForwardBackwardOutput, OptimStepOutput
+
+log = logging.getLogger("rlproxy.remote")
+RUN_STEP = "rlproxy_run_step"  # an rlproxy learner's optim_step metric: the run's step count
+
+
+@dataclass
+class SyncStats:
+    syncs: int = 0
+    last_bytes: int = 0
+    last_seconds: float = 0.0
+    last_path: str | None = None
+    failures: int = 0
+    error: str | None = None
+    history: list = field(default_factory=list)  # (bytes, seconds) of the last syncs
+
+
+class RemoteLearner:
+    """The learner on a Tinker service. MODEL is a local LoRA copy of the serving model (its
+    layout is what the downloaded weights must fit; the eval gate measures on it), or None
+    with --sampler tinker, where the service also samples and nothing is downloaded."""
+
+    def __init__(self, settings: Settings, model: nn.Module | None, lora_config: dict,
+                 checkpoints: Path, base_model: str, identity: dict):
+        self.t, self.settings, self.r = settings.trainer, settings, settings.remote
+        self.model, self.lora_config, self.checkpoints = model, lora_config, Path(checkpoints)
+        self.base_model, self.run, self.replica = base_model, identity["run"], identity["replica"]
+        self.lr_scale = 1.0
+        self.updates = 0  # optimizer updates of the run as last known: the schedule's count
+        self.remote_step: int | None = None  # the run's step, from an rlproxy learner
+        self.sync = SyncStats()
+        self.service = self.training = self.rest = None
+        self.timeout = self.r.tinker_timeout_s
+        self.key = api_key(self.r)
+        self.weights = lora_weights(model) if model is not None else {}
+        self.rank = lora_config["lora_parameters"]["rank"]
+        self.scale = lora_config["lora_parameters"]["scale"]
+        self.num_blocks = len(model.layers) if model is not None else 0
+        self.url = self.r.tinker_url
+
+    # ---- the connection ----
+
+    def connect(self, timeout: float | None = None):
+        """The training client of the run, joined now if not yet (LearnerRefused / -Unavailable)."""
+        if self.training is not None:
+            return self.training
+        timeout = timeout or self.timeout
+        service = service_client(self.r)
+        rest = service.create_rest_client()
+        caps = resolve(rest.get_server_capabilities(), timeout, "server capabilities")
+        names = [m.model_name for m in caps.supported_models]
+        if self.base_model not in names:
+            raise LearnerRefused(f"the Tinker service has no base model {self.base_model!r} (it "
+                                 f"has {', '.join(names) or 'none'}): set --tinker-base-model")
+        training = resolve(service.create_lora_training_client(
+            base_model=self.base_model, rank=self.rank, train_unembed=False,
+            user_metadata={"rlproxy_run": self.run, "rlproxy_replica": self.replica}),
+            timeout, f"join run {self.run!r}")
+        self.service, self.rest, self.training = service, rest, training
+        log.info("joined Tinker run %r at %s as %s", self.run, self.url or "the hosted service",
+                 training.model_id)
+        return training
+
+    def drop(self, why: str) -> None:
+        """Forget the training client after a failure: the next call joins again."""
+        if self.training is not None:
+            log.warning("Tinker learner: %s; joining run %r again on the next try", why,
+                        self.run)
+        self.service = self.training = self.rest = None  # its threads end with the process
+
+    def guarded(self, fn):
+        """fn(training client); after a LearnerUnavailable the client is dropped."""
+        try:
+            return fn(self.connect())
+        except LearnerUnavailable as e:
+            self.drop(str(e))
+            raise
+
+    # ---- LocalLearner's calls ----
+
+    def too_big(self, ex: dict) -> str | None:
+        return None  # the service has its own limits; it says so in a user error
+
+    def forward_backward(self, examples: list[dict], between=None) -> ForwardBackwardOutput:
+        n = sum(e["tokens"] for e in examples)
+        data = to_datums(examples, self.t.loss_fn)
+        config = loss_config(self.t, n)
+        out = self.guarded(lambda tc: resolve(
+            tc.forward_backward(data, self.t.loss_fn, config), self.timeout,
+            "forward_backward"))
+        loss = next((v for k, v in out.metrics.items() if k.startswith("loss")), 0.0)
+        return ForwardBackwardOutput(float(loss), 0.0, 0.0, n)
+
+    def learning_rate(self) -> float:
+        return schedule.lr_at(self.updates, self.t, self.lr_scale)
+
+    def optim_step(self, learning_rate: float) -> OptimStepOutput:
+        from tinker import types
+        adam = types.AdamParams(learning_rate=learning_rate, beta1=0.9, beta2=0.999, eps=1e-8,
+                                weight_decay=self.t.weight_decay, grad_clip_norm=self.t.grad_clip)
+        out = self.guarded(lambda tc: resolve(tc.optim_step(adam), self.timeout,
+                                                         "optim_step"))
+        metrics = out.metrics or {}
+        step = next((v for k, v in metrics.items() if k.split(":")[0] == RUN_STEP), None)
+        self.remote_step = int(step) if step is not None else None
+        self.updates = self.remote_step if step is not None else self.updates + 1
+        norm = next((v for k, v in metrics.items() if "grad_norm" in k), float("nan"))
+        return OptimStepOutput(float(norm), learning_rate, self.remote_step)
+
+    def save_weights_for_sampler(self) -> dict[str, mx.array]:
+        """The run's current adapter, downloaded and fitted (also kept as `weights`)."""
+        if self.model is None:
+            raise LearnerRefused("no local model: with --sampler tinker the service samples")
+        name = f"{self.replica}-sync-{int(time.time() * 1000)}"
+        try:
+            got = self.guarded(lambda tc: remote_weights.fetch(
+                tc, self.rest, name, self.key, self.url, self.timeout, self.weights, self.scale,
+                self.num_blocks))
+        except (LearnerUnavailable, LearnerRefused) as e:
+            self.sync.failures += 1
+            self.sync.error = str(e)
+            raise
+        s = self.sync
+        s.syncs, s.last_bytes, s.last_seconds, s.last_path, s.error = (
+            s.syncs + 1, got.nbytes, got.seconds, got.path, None)
+        s.history = (s.history + [(got.nbytes, round(got.seconds, 4))])[-20:]
+        self.weights = got.weights
+        return got.weights
+
+    def sync_weights(self, engine, version: int) -> dict[str, mx.array] | None:
+        """After a step: the run's weights for the engine (downloaded), or, with --sampler
+        tinker (no local model), None after pointing the engine's sampler at them."""
+        if self.model is None:
+            engine.publish_sampler(self.sampler_path(), version)
+            return None
+        return self.save_weights_for_sampler()
+
+    def fetch_changed(self) -> dict[str, mx.array] | None:
+        """The run's weights if they differ from the ones last brought back, else None
+        (with --sampler tinker: always None, the sampler follows this replica's steps)."""
+        if self.model is None:
+            return None
+        before = self.weights
+        after = self.save_weights_for_sampler()
+        same = set(before) == set(after) and all(
+            mx.array_equal(before[k], after[k]).item() for k in before)
+        return None if same else after
+
+    def sampler_path(self) -> str:
+        """With --sampler tinker: the run's weights saved for sampling; their tinker path."""
+        name = f"{self.replica}-sampler-{int(time.time() * 1000)}"
+        saved = self.guarded(lambda tc: resolve(tc.save_weights_for_sampler(name), self.timeout,
+                                                "save weights for the sampler"))
+        self.sync.syncs += 1
+        self.sync.last_path = saved.path
+        return saved.path
+
+    def set_weights(self, weights: dict[str, mx.array]) -> None:
+        """Into the local copy only (the eval gate's measurements)."""
+        if self.model is not None:
+            self.model.update(tree_unflatten(list(weights.items())))
+
+    # ---- state ----
+
+    def save_state(self, step: int, version: int, metadata: dict) -> Path:
+        """The run's state saved on the service, and a local checkpoint naming it."""
+        name = f"{self.replica}-step_{step:06d}"
+        saved = self.guarded(lambda tc: resolve(tc.save_state(name), self.timeout,
+                                                          "save_state"))
+        extra = {**metadata, "lr_scale": self.lr_scale, "schedule": schedule.describe(self.t),
+                 "backend": "tinker", "tinker_path": saved.path, "tinker_run": self.run,
+                 "updates": self.updates, "entropy_coef": self.t.entropy_coef}
+        return save_checkpoint(self.checkpoints, step, version, self.weights, {},
+                               self.lora_config, self.settings.model_dump(mode="json"),
+                               extra=extra)
+
+    def load_state(self, path: Path) -> dict:
+        """Roll the run back to checkpoint PATH's saved state on the service."""
+        adapter, _, state, _ = read_checkpoint(path, partial=True)
+        tinker_path = (state or {}).get("tinker_path")
+        if not tinker_path:
+            raise LearnerRefused(f"{path.name} was not saved through a Tinker learner (no "
+                                 "tinker_path): it cannot be loaded into the run")
+        self.guarded(lambda tc: resolve(
+            tc.load_state_with_optimizer(tinker_path), self.timeout, "load_state"))
+        self.updates = int(state.get("updates", self.updates))
+        self.weights = remote_weights.fit(adapter, self.lora_config, self.weights, self.scale,
+                                          self.num_blocks) if self.weights else adapter
+        return state
+
+    def resume_state(self, path: Path) -> tuple[dict | None, list[str]]:
+        """At start-up: the run itself carries on on the service (joined by name); the local
+        checkpoint gives the loop its step, version and baseline, and the adapter to serve
+        until the first sync."""
+        adapter, _, state, problems = read_checkpoint(path, partial=True)
+        problems = [p for p in problems if not p.startswith("optimizer")]
+        if self.weights:
+            self.weights = remote_weights.fit(adapter, self.lora_config, self.weights,
+                                              self.scale, self.num_blocks)
+        if state:
+            self.updates = int(state.get("updates", state.get("step", 0)))
+        return state, problems
+
+    def snapshot(self) -> dict:
+        return {"adapter": dict(self.weights)}
+
+    def restore(self, snapshot: dict) -> None:
+        self.weights = dict(snapshot["adapter"])
+        self.set_weights(self.weights)
+
+    def health(self) -> dict:
+        return {"backend": "tinker", "url": self.url or "the tinker SDK's default",
+                "run": self.run, "replica": self.replica, "remote_step": self.remote_step,
+                "connected": self.training is not None,
+                "model_id": getattr(self.training, "model_id", None),
+                "syncs": self.sync.syncs, "last_sync_bytes": self.sync.last_bytes,
+                "last_sync_s": round(self.sync.last_seconds, 4),
+                "sync_failures": self.sync.failures, "sync_error": self.sync.error}
+
+
+START_TIMEOUT_S = 15.0  # a learner that does not answer at start-up: serving starts anyway
+
+
+def remote_learner(settings: Settings, loaded, model: nn.Module | None) -> RemoteLearner:
+    """The learner on the settings' Tinker service, joined now when it answers. A refusal (a
+    wrong key, an unknown base model, a run of another base or rank) is a start-up error (a
+    ValueError); a service that is down is not: serving starts, and training waits for it."""
+    r = settings.remote
+    base = r.tinker_base_model or (settings.server.served_model_name or [loaded.model_id])[0]
+    ident = replica_identity(settings.records.data_dir, r)
+    learner = RemoteLearner(settings, model, loaded.lora_config,
+                            settings.records.data_dir / CHECKPOINTS, base, ident)
+    try:
+        learner.connect(timeout=min(START_TIMEOUT_S, r.tinker_timeout_s))
+    except LearnerRefused as e:
+        raise ValueError(f"--trainer tinker: {e}") from None
+    except LearnerUnavailable as e:
+        log.error("the Tinker learner at %s does not answer (%s): serving starts, and training "
+                  "waits for it", r.tinker_url or "the hosted service", e)
+    return learner

@@ -1,0 +1,121 @@
+"""The tinker SDK's clients, made from the settings, and every call to them with a deadline.
+
+The SDK retries a learner that is down for up to five minutes inside one call, and makes its
+session synchronously on the first call; `call` runs each call on a small pool of its own
+threads and gives up after `tinker_timeout_s`, so the trainer thread never hangs on the
+network. Failures come out as one of two errors:
+
+  LearnerRefused      the caller is wrong: a rejected key, a base model the service does not
+                      have, a run of another base model or rank, a bad request. Not retried;
+                      a start-up error.
+  LearnerUnavailable  the service is down, slow or failing on its side. The batch waits and is
+                      tried again with backoff; serving goes on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from rlproxy.settings import RemoteSettings
+from rlproxy.training.learner import LearnerUnavailable  # noqa: F401  (raised here; the loop's)
+
+log = logging.getLogger("rlproxy.remote")
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlproxy-tinker")
+REPLICA = "remote.json"  # under the data dir: this replica's id and default run name
+
+
+class LearnerRefused(ValueError):
+    """The Tinker service refused what this process asked (its message: what to change)."""
+
+
+def sdk():
+    try:
+        import tinker
+    except ImportError:
+        raise LearnerRefused("--trainer tinker and --sampler tinker need the tinker SDK: "
+                             "pip install 'rlproxy[tinker]'") from None
+    return tinker
+
+
+def refusal(e: BaseException) -> str | None:
+    """What to change when E is the caller's fault, else None (worth trying again)."""
+    tinker = sdk()
+    if isinstance(e, (tinker.AuthenticationError, tinker.PermissionDeniedError)):
+        return (f"the Tinker service refused the API key ({e.status_code}): set "
+                "TINKER_API_KEY or --tinker-api-key to a key it accepts")
+    if isinstance(e, tinker.RequestFailedError):
+        if str(getattr(e, "category", "")).lower().endswith("user"):
+            return str(e.message).split(" for self.request_id=")[0]
+        return None
+    if isinstance(e, (tinker.BadRequestError, tinker.NotFoundError,
+                      tinker.UnprocessableEntityError)):
+        return f"the Tinker service rejected a request: {e}"
+    return None
+
+
+def call(fn, timeout: float, what: str):
+    """fn() on the pool, within TIMEOUT seconds; LearnerRefused or LearnerUnavailable."""
+    fut = _POOL.submit(fn)
+    try:
+        return fut.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()
+        raise LearnerUnavailable(f"{what}: no answer from the Tinker service in {timeout:g} s")
+    except (LearnerRefused, LearnerUnavailable):
+        raise
+    except Exception as e:
+        said = refusal(e)
+        if said is not None:
+            raise LearnerRefused(f"{what}: {said}") from None
+        raise LearnerUnavailable(f"{what}: {type(e).__name__}: {str(e)[:500]}") from None
+
+
+def resolve(fut, timeout: float, what: str):
+    """An SDK future's result within TIMEOUT, with `call`'s errors."""
+    return call(lambda: fut.result(timeout=timeout), timeout + 1.0, what)
+
+
+def api_key(r: RemoteSettings) -> str:
+    key = r.tinker_api_key or os.environ.get("TINKER_API_KEY")
+    if not key:
+        raise LearnerRefused("--trainer tinker / --sampler tinker need a key: set TINKER_API_KEY "
+                             "(or --tinker-api-key); an rlproxy learner without --api-key "
+                             "accepts any key that starts with 'tml-'")
+    if not key.startswith(("tml-", "eyJ")):
+        raise LearnerRefused("the tinker SDK only sends keys that start with 'tml-': set "
+                             "TINKER_API_KEY to one (an rlproxy learner's --api-key must be such "
+                             "a key too)")
+    return key
+
+
+def service_client(r: RemoteSettings):
+    """A ServiceClient for the settings' service (no network yet: the SDK connects lazily)."""
+    tinker = sdk()
+    os.environ.setdefault("TINKER_TELEMETRY", "0")  # nothing leaves for a third party
+    return tinker.ServiceClient(base_url=r.tinker_url, api_key=api_key(r))
+
+
+def replica_identity(data_dir: Path, r: RemoteSettings) -> dict:
+    """{"replica": this data dir's id, "run": the run name}, kept in <data_dir>/remote.json so a
+    restart rejoins the same run: --tinker-run when given, else a name made once for this data
+    dir."""
+    path = Path(data_dir) / REPLICA
+    try:
+        read = json.loads(path.read_text())
+    except (OSError, ValueError):
+        read = None
+    kept = dict(read) if isinstance(read, dict) and isinstance(read.get("replica"), str) else {
+        "replica": uuid.uuid4().hex[:8]}
+    kept.setdefault("default_run", f"rlproxy-{kept['replica']}")
+    ident = {"replica": kept["replica"], "run": r.tinker_run or kept["default_run"]}
+    if kept != read:
+        tmp = path.with_suffix(".tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(kept))
+        os.replace(tmp, path)
+    return ident
