@@ -33,7 +33,8 @@ from rlproxy.remote import weights as remote_weights
 from rlproxy.remote.datums import loss_config, to_datums
 from rlproxy.paths import CHECKPOINTS
 from rlproxy.remote.service import (
-    LearnerRefused, LearnerUnavailable, api_key, replica_identity, resolve, service_client,
+    LearnerRefused, LearnerUnavailable, api_key, call, replica_identity, resolve,
+    rest_client, service_client,
 )
 from rlproxy.serving.model import lora_weights
 from rlproxy.settings import Settings
@@ -42,6 +43,7 @@ from rlproxy.training.checkpoints import read_checkpoint, save_checkpoint
 from rlproxy.training.learner import ForwardBackwardOutput, OptimStepOutput
 
 log = logging.getLogger("rlproxy.remote")
+INIT_SEED = 0  # a new run's LoRA init: the same for every run, so runs can be compared
 RUN_STEP = "rlproxy_run_step"  # an rlproxy learner's optim_step metric: the run's step count
 
 
@@ -87,14 +89,15 @@ class RemoteLearner:
             return self.training
         timeout = timeout or self.timeout
         service = service_client(self.r)
-        rest = service.create_rest_client()
+        # the SDK makes its session here, synchronously: under the deadline too
+        rest = call(lambda: rest_client(self.r), timeout, "connect")
         caps = resolve(rest.get_server_capabilities(), timeout, "server capabilities")
         names = [m.model_name for m in caps.supported_models]
         if self.base_model not in names:
             raise LearnerRefused(f"the Tinker service has no base model {self.base_model!r} (it "
                                  f"has {', '.join(names) or 'none'}): set --tinker-base-model")
         training = resolve(service.create_lora_training_client(
-            base_model=self.base_model, rank=self.rank, train_unembed=False,
+            base_model=self.base_model, rank=self.rank, seed=INIT_SEED, train_unembed=False,
             user_metadata={"rlproxy_run": self.run, "rlproxy_replica": self.replica}),
             timeout, f"join run {self.run!r}")
         self.service, self.rest, self.training = service, rest, training

@@ -100,6 +100,11 @@ def service_client(r: RemoteSettings):
     return tinker.ServiceClient(base_url=r.tinker_url, api_key=api_key(r))
 
 
+def rest_client(r: RemoteSettings):
+    """The SDK's RestClient (capabilities, weights URLs) for the settings' service."""
+    return sdk().RestClient(base_url=r.tinker_url, api_key=api_key(r))
+
+
 def replica_identity(data_dir: Path, r: RemoteSettings) -> dict:
     """{"replica": this data dir's id, "run": the run name}, kept in <data_dir>/remote.json so a
     restart rejoins the same run: --tinker-run when given, else a name made once for this data

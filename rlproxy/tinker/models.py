@@ -167,7 +167,7 @@ def _examples(data: list[dict], loss_fn: str, vocab: int, context: int) -> list[
         if n > context:
             raise UserError(f"datum {i}: {n} tokens is longer than the model's context of "
                             f"{context}")
-        for k in needs:
+        for k in dict.fromkeys([*needs, *(["weights"] if "weights" in inputs else [])]):
             if inputs[k].reshape(-1).size != n:
                 raise UserError(f"datum {i}: loss_fn_inputs[{k!r}] has shape "
                                 f"{list(inputs[k].shape)} but model_input has {n} tokens")
@@ -184,9 +184,10 @@ def _examples(data: list[dict], loss_fn: str, vocab: int, context: int) -> list[
             "old": mx.array(inputs.get("logprobs", zeros).reshape(-1).astype(np.float32))[None],
             "adv": mx.array(inputs.get("advantages", zeros).reshape(-1).astype(np.float32))[None],
             # cross_entropy weighs tokens by `weights`; the RL losses sum every token (a prompt
-            # token carries advantage 0), as Tinker's do
+            # token carries advantage 0), as Tinker's do, unless `weights` is given: then it
+            # masks them too (DRO's penalty is not 0 at a prompt position; remote/datums.py)
             "mask": mx.array(inputs["weights"].reshape(-1).astype(np.float32))[None]
-            if loss_fn == "cross_entropy" else mx.ones((1, n)),
+            if "weights" in inputs else mx.ones((1, n)),
         })
     return out
 
