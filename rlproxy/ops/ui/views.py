@@ -153,8 +153,10 @@ def trainer_state(app: web.Application) -> dict:
     if trainer is None:
         return {"enabled": False}
     t = trainer.health()
+    remote = {k: t[k] for k in ("url", "run", "remote_step", "sync_error") if k in t}
     return {"enabled": True, "alive": t["alive"], "error": t["error"], "paused": t["paused"],
-            "step": t["step"], "queued": t["queued"], **dataclasses.asdict(trainer.stats)}
+            "step": t["step"], "queued": t["queued"], "backend": t["backend"], **remote,
+            **dataclasses.asdict(trainer.stats)}
 
 
 async def sessions(request: web.Request) -> web.Response:

@@ -124,9 +124,11 @@ async function overview() {
   const live = d.live.map(p => Object.assign({}, p, {x: (p.t - Date.now() / 1000) / 60}));
   const tr = d.trainer, sc = d.scoring, today = d.today;
   const state = !tr.enabled ? "off" : tr.paused ? "paused" : tr.error ? "error" : "training";
+  const where = tr.backend === "tinker" ? ` on ${tr.url} (run ${tr.run})` : "";
   document.getElementById("status").textContent =
-    `${d.model} · adapter v${d.adapter_version} · trainer ${state}`;
+    `${d.model} · adapter v${d.adapter_version} · trainer ${state}${where}`;
   return el("div", {},
+    ...(tr.error ? [el("p", {class: "error"}, `trainer: ${tr.error}`)] : []),
     el("h2", {}, "Today"),
     el("div", {class: "counters", id: "counters"},
       counter("turns recorded", today.turns || 0), counter("sessions", today.sessions || 0),
