@@ -417,9 +417,6 @@ class Settings(Section):
                 if value > 0:
                     raise ValueError(f"--trainer tinker: the Tinker API's losses have no "
                                      f"{name} term; set --{name.replace('_', '-')} 0")
-            if t.eval_every:
-                raise ValueError("--trainer tinker: the eval gate runs with the local "
-                                 "learner only for now; set --eval-every 0")
         if r.sampler == "tinker" and t.train and r.trainer != "tinker":
             raise ValueError("--sampler tinker has no local weights to train: add --trainer "
                              "tinker, or --no-train")

@@ -113,12 +113,14 @@ def learner_logprobs(learner: Server, run: str | None, ids: list[int]) -> np.nda
         path = tc.save_weights_for_sampler(f"check-{time.time_ns()}").result().path
         sampler = sc.create_sampling_client(model_path=path).result()
     lps = sampler.compute_logprobs(tinker.types.ModelInput.from_ints(ids)).result()
+    sc.close("success").result()
     return np.array([np.nan if v is None else v for v in lps], dtype=np.float64)
 
 
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("learner") / "data", "--no-train").wait()
+    s = Server(tmp_path_factory.mktemp("learner") / "data", "--no-train",
+               "--tinker-max-models", "16").wait()
     yield s
     s.stop()
 
@@ -282,3 +284,43 @@ def test_two_replicas_stepping_at_once_equal_their_batches_applied_one_after_ano
         assert mx.allclose(shared[k], alone[k], atol=1e-5).item(), k
     assert any(not mx.allclose(shared[k], replica("z", run).weights[k]).item()
                for k in shared if k.endswith("lora_b"))  # it did train
+
+
+def test_eval_gate_and_operator_rollback_with_a_remote_learner(learner, tmp_path):
+    """--eval-every on a replica: the gate measures the run's weights locally and publishes
+    them; an operator's rollback loads the checkpoint's saved state back into the run."""
+    rep = Server(tmp_path / "gate", *replica_flags(learner, "gated"), "--eval-every", "1",
+                 "--eval-probes", "2", "--eval-max-tokens", "4", "--save-interval", "1",
+                 "--eval-tolerance", "100").wait()
+    try:
+        drive(rep, [f"g{i}" for i in range(4)])
+        until(lambda: handled(rep) >= 4 and rep.health()["trainer"]["evals"] >= 2, 120,
+              "two evaluations")
+        lines = [json.loads(x) for x in (rep.data_dir / "training.jsonl").read_text()
+                 .splitlines()]
+        evals = [ln for ln in lines if ln["kind"] == "eval"]
+        assert evals and all(ln["backend"] == "tinker" for ln in evals)
+        assert rep.health()["trainer"]["error"] is None
+        first = min(ln["step"] for ln in lines if ln["kind"] == "step")
+        r = requests.post(f"{rep.url}/v1/adapters/{first}/serve", timeout=120)
+        assert r.status_code == 200, r.text
+        ckpt = rep.data_dir / "checkpoints" / f"step_{first:06d}"
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        assert state["backend"] == "tinker" and state["tinker_path"].startswith("tinker://gated/")
+        saved = mx.load(str(ckpt / "adapters.safetensors"))
+        now = requests.get(rep.url + "/healthz", timeout=10).json()["adapter_version"]
+        assert now > state["adapter_version"]  # published as a new version
+        # the run itself went back: its weights now are the checkpoint's
+        import tinker
+        sc = tinker.ServiceClient(base_url=learner.url, api_key=KEY)
+        tc = sc.create_lora_training_client(base_model="rlproxy-embedded-tiny", rank=8,
+                                            train_unembed=False,
+                                            user_metadata={"rlproxy_run": "gated"}).result()
+        from rlproxy.remote.weights import fetch
+        got = fetch(tc, tinker.RestClient(base_url=learner.url, api_key=KEY), "check", KEY,
+                    learner.url, 30, {k: mx.zeros_like(v) for k, v in saved.items()},
+                    20.0, 10 ** 6)
+        for k, v in saved.items():
+            assert mx.allclose(got.weights[k], v, atol=1e-6).item(), k
+    finally:
+        rep.stop()

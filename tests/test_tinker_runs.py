@@ -7,6 +7,7 @@ and /metrics count the work."""
 from __future__ import annotations
 
 import json
+import time
 import os
 import urllib.error
 import urllib.request
@@ -215,3 +216,18 @@ def test_an_idle_named_run_is_saved_before_it_leaves_memory(tiny, tmp_path):
         again = join(service(s.url), tiny.model_id, "e1")
         again.forward_backward(data, "cross_entropy").result()
         assert step_of(again.optim_step(LR).result()) == 2
+
+
+def test_a_client_that_stops_heartbeating_frees_its_run(tiny, tmp_path, monkeypatch):
+    """A replica killed without finishing its session holds its run only until its heartbeats
+    stop for SESSION_EXPIRY_S: then the run is saved and makes room like an idle one."""
+    from rlproxy.tinker import runs
+    monkeypatch.setattr(runs, "SESSION_EXPIRY_S", 1.0)  # the SDK beats every 10 s
+    data = [sft_datum(TEXT[0])]
+    with ServerThread(make_settings(tmp_path, tinker_max_models=1), tiny) as s:
+        tc = join(service(s.url), tiny.model_id, "h1")  # never closed: as if killed
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(LR).result()
+        time.sleep(1.5)
+        join(service(s.url), tiny.model_id, "h2")  # h1's session went silent: it makes room
+        assert (tmp_path / "tinker" / "h1" / "weights" / "evicted-step-1").is_dir()

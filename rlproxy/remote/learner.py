@@ -20,6 +20,7 @@ synced, and in trainer_state.json the `tinker_path` of the service's own saved s
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from mlx.utils import tree_unflatten
 
 from rlproxy.remote import weights as remote_weights
 from rlproxy.remote.datums import loss_config, to_datums
-from rlproxy.paths import CHECKPOINTS
+from rlproxy.paths import CHECKPOINTS, TRAINER_STATE
 from rlproxy.remote.service import (
     LearnerRefused, LearnerUnavailable, api_key, call, replica_identity, resolve,
     rest_client, service_client,
@@ -112,6 +113,16 @@ class RemoteLearner:
                         self.run)
         self.service = self.training = self.rest = None  # its threads end with the process
 
+    def close(self) -> None:
+        """Finish the session on the service (its handles go; the run stays), within 5 s."""
+        service, self.service, self.training, self.rest = self.service, None, None, None
+        if service is not None:
+            try:
+                resolve(service.close("success", detail="rlproxy stopped"), 5.0,
+                        "close the session")
+            except (LearnerUnavailable, LearnerRefused) as e:
+                log.warning("could not finish the Tinker session: %s", e)
+
     def guarded(self, fn):
         """fn(training client); after a LearnerUnavailable the client is dropped."""
         try:
@@ -155,7 +166,7 @@ class RemoteLearner:
         """The run's current adapter, downloaded and fitted (also kept as `weights`)."""
         if self.model is None:
             raise LearnerRefused("no local model: with --sampler tinker the service samples")
-        name = f"{self.replica}-sync-{int(time.time() * 1000)}"
+        name = f"{self.replica}-sync"  # replaced each time: the learner's disk stays flat
         try:
             got = self.guarded(lambda tc: remote_weights.fetch(
                 tc, self.rest, name, self.key, self.url, self.timeout, self.weights, self.scale,
@@ -192,7 +203,7 @@ class RemoteLearner:
 
     def sampler_path(self) -> str:
         """With --sampler tinker: the run's weights saved for sampling; their tinker path."""
-        name = f"{self.replica}-sampler-{int(time.time() * 1000)}"
+        name = f"{self.replica}-sampler"
         saved = self.guarded(lambda tc: resolve(tc.save_weights_for_sampler(name), self.timeout,
                                                 "save weights for the sampler"))
         self.sync.syncs += 1
@@ -217,6 +228,18 @@ class RemoteLearner:
         return save_checkpoint(self.checkpoints, step, version, self.weights, {},
                                self.lora_config, self.settings.model_dump(mode="json"),
                                extra=extra)
+
+    def forget_state(self, checkpoint: Path) -> None:
+        """A pruned local checkpoint's state on the service, deleted (best effort: a failure
+        leaves a folder on the learner, nothing else)."""
+        try:
+            state = json.loads((Path(checkpoint) / TRAINER_STATE).read_text())
+            path = state["tinker_path"]
+            rest = self.rest or rest_client(self.r)
+            resolve(rest.delete_checkpoint_from_tinker_path(path), self.timeout,
+                    "delete a pruned state")
+        except Exception as e:  # noqa: BLE001  (best effort, logged)
+            log.warning("could not delete %s's state on the learner: %s", checkpoint.name, e)
 
     def load_state(self, path: Path) -> dict:
         """Roll the run back to checkpoint PATH's saved state on the service."""
@@ -246,9 +269,28 @@ class RemoteLearner:
         return state, problems
 
     def snapshot(self) -> dict:
-        return {"adapter": dict(self.weights)}
+        """The eval gate's good state: the adapter served, and the run's state saved on the
+        service (weights and optimizer) for a rollback to load back; not saved (None) while
+        the service cannot be reached."""
+        path = None
+        try:
+            if self.training is None:  # not joined (down at start-up): do not hang start-up
+                self.connect(timeout=min(START_TIMEOUT_S, self.timeout))
+            name = f"{self.replica}-good"
+            path = self.guarded(lambda tc: resolve(tc.save_state(name), self.timeout,
+                                                   "save the good state")).path
+        except LearnerUnavailable as e:
+            log.warning("could not save the good state on the learner: %s", e)
+        return {"adapter": dict(self.weights), "tinker_path": path}
 
     def restore(self, snapshot: dict) -> None:
+        """Roll the run back to SNAPSHOT (the eval gate's refusal): its saved state loaded
+        on the service, its adapter served here."""
+        if snapshot.get("tinker_path") is None:
+            raise LearnerRefused("the good state was never saved on the learner (it was down "
+                                 "then), so the refused steps cannot be rolled back there")
+        self.guarded(lambda tc: resolve(tc.load_state_with_optimizer(snapshot["tinker_path"]),
+                                        self.timeout, "roll back to the good state"))
         self.weights = dict(snapshot["adapter"])
         self.set_weights(self.weights)
 

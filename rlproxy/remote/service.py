@@ -22,15 +22,11 @@ import uuid
 from pathlib import Path
 
 from rlproxy.settings import RemoteSettings
-from rlproxy.training.learner import LearnerUnavailable  # noqa: F401  (raised here; the loop's)
+from rlproxy.training.learner import LearnerRefused, LearnerUnavailable  # the loop's errors
 
 log = logging.getLogger("rlproxy.remote")
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlproxy-tinker")
 REPLICA = "remote.json"  # under the data dir: this replica's id and default run name
-
-
-class LearnerRefused(ValueError):
-    """The Tinker service refused what this process asked (its message: what to change)."""
 
 
 def sdk():

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import shutil
 import tarfile
+import uuid
 from datetime import datetime, timedelta, timezone
 
 from aiohttp import web
@@ -41,6 +43,23 @@ async def list_checkpoints(request):
                             "tinker_path": f"tinker://{run}/{kind}/{p.name}",
                             "size_bytes": sum(f.stat().st_size for f in p.iterdir())})
     return json_response({"checkpoints": out})
+
+
+async def delete_checkpoint(request):
+    """DELETE training_runs/{run}/checkpoints/{kind}/{name}: the saved folder, gone (RestClient.
+    delete_checkpoint). 404 when there is none."""
+    st = state(request)
+    try:
+        path = checkpoint_dir(st, request.match_info["run"], request.match_info["kind"],
+                              request.match_info["name"])
+    except UserError as e:
+        return json_response({"error": str(e), "category": "user"}, status=400)
+    if not path.is_dir():
+        return json_response({"error": "no such checkpoint", "category": "user"}, status=404)
+    trash = path.with_name(f".deleted-{path.name}-{uuid.uuid4().hex[:8]}")
+    path.rename(trash)  # out of every listing at once; the bytes go in the executor
+    await asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, trash, True)
+    return json_response({})
 
 
 async def download_checkpoint(request):

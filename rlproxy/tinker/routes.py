@@ -13,6 +13,7 @@ the app's own middleware (any key unless --api-key is set).
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from rlproxy.appkeys import ENGINE, MODEL, SETTINGS
 from rlproxy.ops.health import served_names
 from rlproxy.tinker import models, runs, wire
 from rlproxy.tinker.archive import (
-    download_checkpoint, external_file, external_urls, list_checkpoints,
+    delete_checkpoint, download_checkpoint, external_file, external_urls, list_checkpoints,
 )
 from rlproxy.tinker.sampling import Samplers, asample
 from rlproxy.tinker.state import (
@@ -121,7 +122,17 @@ async def empty(request):
 
 
 async def create_session(request):
-    return json_response({"type": "create_session", "session_id": uuid.uuid4().hex[:12]})
+    sid = uuid.uuid4().hex[:12]
+    state(request).seen[sid] = time.monotonic()
+    return json_response({"type": "create_session", "session_id": sid})
+
+
+async def heartbeat(request):
+    """The SDK's heartbeat (every 10 s): the session is alive (runs.py expires silent ones)."""
+    sid = (await read_json(request)).get("session_id")
+    if isinstance(sid, str):
+        state(request).seen[sid] = time.monotonic()
+    return json_response({})
 
 
 async def telemetry(request):
@@ -143,6 +154,8 @@ async def capabilities(request):
 
 async def create_model(request):
     st, body = state(request), await read_json(request)
+    if isinstance(body.get("session_id"), str):
+        st.seen[body["session_id"]] = time.monotonic()
     base = body.get("base_model")
     if base not in served_names(request.app):
         return json_response({"request_id": fail(st, f"unknown base_model {base!r}; this server "
@@ -356,6 +369,7 @@ async def finish_session(request):
     """The client closed: drop its handles and sampling sessions (runs.py's detach: a named run
     stays; saved weights stay on disk)."""
     st, sid = state(request), request.match_info["session_id"]
+    st.seen.pop(sid, None)
     await asyncio.wrap_future(st.worker.run(runs.detach, st, sid))
     for sampler in [s for s in st.samplers.sessions if s.startswith(f"{sid}:")]:
         del st.samplers.sessions[sampler]
@@ -387,7 +401,7 @@ def add_tinker_routes(app: web.Application) -> None:
         return
     routes = [
         ("POST", "client/config", empty), ("POST", "client/dynamic_config", empty),
-        ("POST", "create_session", create_session), ("POST", "session_heartbeat", empty),
+        ("POST", "create_session", create_session), ("POST", "session_heartbeat", heartbeat),
         ("POST", "telemetry", telemetry), ("GET", "get_server_capabilities", capabilities),
         ("GET", "healthz", healthz), ("POST", "sessions/{session_id}/finish", finish_session),
         ("POST", "create_model", create_model), ("POST", "get_info", get_info),
@@ -399,6 +413,7 @@ def add_tinker_routes(app: web.Application) -> None:
         ("POST", "retrieve_future", retrieve_future),
         ("GET", "training_runs/{model_id}/checkpoints", list_checkpoints),
         ("GET", "training_runs/{run}/checkpoints/{kind}/{name}/archive", download_checkpoint),
+        ("DELETE", "training_runs/{run}/checkpoints/{kind}/{name}", delete_checkpoint),
         ("POST", "save_weights_external", save_weights_external),
         ("GET", "training_runs/{run}/checkpoints/external_weights/{name}/external_weights_urls",
          external_urls),

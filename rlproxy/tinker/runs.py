@@ -47,9 +47,19 @@ def _resumed(st: TinkerState, name: str, path: Path) -> models.Run:
     return run
 
 
+SESSION_EXPIRY_S = 60.0  # no heartbeat for this long (the SDK sends one every 10 s): gone
+
+
 def _check_room(st: TinkerState) -> None:
     """Room for one more run: at the limit, a named run no client holds is saved (save_state's
     layout, so a rejoin resumes it) and leaves memory; else a user error."""
+    if len(st.runs) < st.max_models:
+        return
+    now = time.monotonic()  # a client that died without finishing (kill -9) holds nothing
+    for sid, last in list(st.seen.items()):
+        if now - last > SESSION_EXPIRY_S:
+            st.seen.pop(sid, None)
+            detach(st, sid)
     if len(st.runs) < st.max_models:
         return
     idle = [r for r in st.runs.values() if r.named and not r.handles]

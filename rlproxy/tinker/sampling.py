@@ -38,11 +38,12 @@ class Samplers:
         path = self.sessions[session_id]["path"]
         if path is None:
             return None, self.loaded.model
-        name = str(path)
+        try:  # a save under the same name replaces the weights: a new name for the engine
+            name = f"{path}@{(path / 'adapters.safetensors').stat().st_mtime_ns}"
+        except OSError:
+            raise UserError(f"no sampler weights at {self.sessions[session_id]['model_path']}")
         if name in self.adapters:
             return name, self.adapters.get(name)
-        if not (path / "adapters.safetensors").exists():
-            raise UserError(f"no sampler weights at {self.sessions[session_id]['model_path']}")
         model = await asyncio.wrap_future(self.worker.run(models.sampler_model, self.loaded, path))
         self.engine.add_adapter(name, model)
         if name not in self.adapters and len(self.adapters) >= MAX_ADAPTERS:

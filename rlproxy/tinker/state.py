@@ -45,6 +45,7 @@ class TinkerState:
     tasks: set = field(default_factory=set)
     forward_backward: int = 0  # calls that accumulated gradients (not forward-only ones)
     optim_steps: int = 0
+    seen: dict = field(default_factory=dict)  # session id -> time.monotonic() of its last sign
 
     def health(self) -> dict:
         return {"models": len(self.runs), "handles": len(self.models),

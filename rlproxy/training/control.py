@@ -42,7 +42,7 @@ from rlproxy.training.checkpoints import UNREADABLE, prune_checkpoints
 from rlproxy.training.gate import Verdict
 from rlproxy.training.items import item_choice, item_key
 from rlproxy.training.journal import SYSTEMIC_TURNS, lost_steps, outside_vocab, turn_length
-from rlproxy.training.learner import LayoutMismatch, LearnerUnavailable
+from rlproxy.training.learner import LayoutMismatch, LearnerRefused, LearnerUnavailable
 
 log = logging.getLogger("rlproxy.trainer")
 DISK_RETRY_S = 5.0  # a batch whose journal lines a full disk refused is tried again after it
@@ -155,6 +155,29 @@ class Control:
         return True
 
     # ---- the eval gate's verdict ----
+
+    def evaluate_or_wait(self) -> None:
+        """`evaluate`; a learner elsewhere that cannot answer (its weights, a rollback to the
+        good state) is waited for with backoff, the evaluation tried again."""
+        tries = 0
+        while self._running:
+            try:
+                self.evaluate()
+                return
+            except LearnerRefused as e:  # e.g. no good state on the learner to go back to
+                self.paused = True
+                self.error = f"training paused: the eval gate: {e}; resume to go on"
+                log.error(self.error)
+                return
+            except LearnerUnavailable as e:
+                tries += 1
+                wait = min(LEARNER_RETRY_MAX_S, DISK_RETRY_S * 2 ** (tries - 1))
+                self.error = (f"training waits for the learner (try {tries}, next in "
+                              f"{wait:g} s): the eval gate: {e}")
+                log.error(self.error)
+                time.sleep(wait)
+        if self.error and self.error.startswith("training waits for the learner"):
+            self.error = None
 
     def evaluate(self) -> dict:
         """Run the eval gate on the candidate and apply its verdict: publish it, or roll back
@@ -380,6 +403,8 @@ class Control:
             pinned = {p.name for p in (protect, (self._rollback_request or (None,))[0]) if p}
             pruned = prune_checkpoints(self.learner.checkpoints, self.t.keep_checkpoints, pinned)
         for folder in pruned:  # out of the listing already: deleted without holding the lock
+            if self.remote:  # its state on the learner goes too
+                self.learner.forget_state(folder)
             shutil.rmtree(folder, ignore_errors=True)
         self._saved_step = self.step  # only now: a failed save is tried again at the next one
         if self.error and self.error.startswith("checkpoint save failed"):

@@ -192,7 +192,7 @@ class EvalGate:
         self.since = 0  # optimizer steps since the last evaluation or rollback
         self.in_a_row = 0  # rollbacks since the last publish
         self.served_version = version
-        self.served_weights = learner.save_weights_for_sampler()
+        self.served_weights = good["adapter"]  # the learner's state it was given: served
         self.good = good
         self._served: tuple[int, list[dict], dict] | None = None  # version, probes, figures
 

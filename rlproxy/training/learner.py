@@ -38,6 +38,11 @@ class LearnerUnavailable(RuntimeError):
     waits and is tried again, charging no turn (remote/learner.py raises it)."""
 
 
+class LearnerRefused(ValueError):
+    """A learner elsewhere refused what was asked (a wrong key, an unknown base model, a run
+    of another layout, a state it does not have): trying again will not help."""
+
+
 class LayoutMismatch(ValueError):
     """A checkpoint of another model or LoRA layout than the learner's (its message: where)."""
 

@@ -160,6 +160,8 @@ class Trainer(Control):
                 self._save_unsaved()
             except Exception:
                 log.exception("could not save the final checkpoint")
+        if self.remote:
+            self.learner.close()
         self.writer.close()
         self.journal.close()
 
@@ -254,7 +256,9 @@ class Trainer(Control):
         """Remote learner, between batches: retry a sync that failed (every SYNC_RETRY_S), or
         bring back the run's weights every SYNC_IDLE_S (other replicas' steps), published as
         a new version only when they changed. The seconds until the next one is due."""
-        behind = self.synced_version != self.version and self.gate is None
+        if self.gate is not None:  # only what this replica's gate passed is served
+            return SYNC_IDLE_S
+        behind = self.synced_version != self.version
         due = SYNC_RETRY_S if behind else SYNC_IDLE_S
         left = due - (time.monotonic() - self.last_sync)
         if left > 0:
@@ -296,7 +300,7 @@ class Trainer(Control):
                     if batch and not self.train_or_wait_for_disk(batch):
                         continue
                     if self.gate is not None and self.gate.due:
-                        self.evaluate()  # publish the candidate, or roll back
+                        self.evaluate_or_wait()  # publish the candidate, or roll back
             except Exception as e:  # surfaced on /healthz
                 log.exception("trainer thread died")
                 self.error = f"{type(e).__name__}: {e}"
