@@ -167,8 +167,7 @@ def test_replica_trains_on_the_learner_and_serves_the_learners_weights(learner, 
 
 def test_learner_down_mid_training_serving_goes_on_and_nothing_is_lost(tmp_path):
     lrn = Server(tmp_path / "learner", "--no-train").wait()
-    rep = Server(tmp_path / "rep", *replica_flags(lrn, "outage"), "--save-interval",
-                 "1").wait()
+    rep = Server(tmp_path / "rep", *replica_flags(lrn, "outage")).wait()  # saves every 10
     try:
         drive(rep, ["b0", "b1"])
         until(lambda: handled(rep) >= 2, 60, "the first step")
@@ -179,14 +178,25 @@ def test_learner_down_mid_training_serving_goes_on_and_nothing_is_lost(tmp_path)
         assert rep.health()["status"] in ("ok", "degraded")
         lrn2 = Server(lrn.data_dir, "--no-train", port=lrn.port).wait()
         try:
-            until(lambda: handled(rep) >= 6, 120, "training to resume")
+            # the new learner has no saved state of the run: it starts it afresh, and the
+            # turns of the step it lost (b0, b1) train again, after the four waiting ones
+            until(lambda: rep.health()["trainer"]["turns_trained"] >= 8, 120,
+                  "training to resume and the lost step's turns to train again")
             t = rep.health()["trainer"]
             assert t["error"] is None and t["quarantined"] == 0
-            trained = {u for ln in map(json.loads, (rep.data_dir / "training.jsonl")
-                                       .read_text().splitlines())
-                       for u in ln.get("uids", [])}
-            recorded = {r["uid"] for r in read_records(rep.data_dir)}
-            assert recorded <= trained and len(recorded) == 6  # every recorded turn trained
+            lines = [json.loads(x) for x in (rep.data_dir / "training.jsonl").read_text()
+                     .splitlines()]
+            recorded = {r["session_id"]: r["uid"] for r in read_records(rep.data_dir)}
+            assert len(recorded) == 6
+            steps = [ln for ln in lines if ln["kind"] == "step"]
+            trained = [u for ln in steps for u in ln["uids"]]
+            assert set(recorded.values()) <= set(trained)  # every recorded turn trained
+            again = [ln for ln in lines if ln["kind"] == "train_again"]
+            assert len(again) == 1 and set(again[0]["turns_again"]) == {
+                recorded["b0"], recorded["b1"]}
+            assert trained.count(recorded["b0"]) == 2  # once before the crash, once after
+            # the run on the new learner holds every step since the crash, none twice
+            assert steps[-1]["run_step"] == len(steps) - 1
         finally:
             lrn2.stop()
     finally:

@@ -72,6 +72,7 @@ class RemoteLearner:
         self.lr_scale = 1.0
         self.updates = 0  # optimizer updates of the run as last known: the schedule's count
         self.remote_step: int | None = None  # the run's step, from an rlproxy learner
+        self._went_back: tuple[int, int] | None = None
         self.sync = SyncStats()
         self.service = self.training = self.rest = None
         self.timeout = self.r.tinker_timeout_s
@@ -157,10 +158,19 @@ class RemoteLearner:
                                                          "optim_step"))
         metrics = out.metrics or {}
         step = next((v for k, v in metrics.items() if k.split(":")[0] == RUN_STEP), None)
+        if step is not None and self.remote_step is not None and step <= self.remote_step:
+            self._went_back = (int(step) - 1, self.remote_step)
         self.remote_step = int(step) if step is not None else None
         self.updates = self.remote_step if step is not None else self.updates + 1
         norm = next((v for k, v in metrics.items() if "grad_norm" in k), float("nan"))
         return OptimStepOutput(float(norm), learning_rate, self.remote_step)
+
+    def went_back(self) -> tuple[int, int] | None:
+        """(the run's step it resumed from, the last step seen before) once, after a step
+        showed the run went back (a learner restarted from its last saved state), else None.
+        Rollbacks of this replica's own do not count: they forget the step seen."""
+        back, self._went_back = self._went_back, None
+        return back
 
     def save_weights_for_sampler(self) -> dict[str, mx.array]:
         """The run's current adapter, downloaded and fitted (also kept as `weights`)."""
@@ -251,6 +261,7 @@ class RemoteLearner:
         self.guarded(lambda tc: resolve(
             tc.load_state_with_optimizer(tinker_path), self.timeout, "load_state"))
         self.updates = int(state.get("updates", self.updates))
+        self.remote_step = None  # the run went back on purpose
         self.weights = remote_weights.fit(adapter, self.lora_config, self.weights, self.scale,
                                           self.num_blocks) if self.weights else adapter
         return state
@@ -291,6 +302,7 @@ class RemoteLearner:
                                  "then), so the refused steps cannot be rolled back there")
         self.guarded(lambda tc: resolve(tc.load_state_with_optimizer(snapshot["tinker_path"]),
                                         self.timeout, "roll back to the good state"))
+        self.remote_step = None  # the run went back on purpose
         self.weights = dict(snapshot["adapter"])
         self.set_weights(self.weights)
 

@@ -48,6 +48,7 @@ from rlproxy.records import JsonlWriter, read_jsonl
 from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.settings import Settings
 from rlproxy.training.control import Control
+from rlproxy.training.remote_sync import SYNC_IDLE_S, RemoteSync
 from rlproxy.training.examples import no_signal, pack, turn_example
 from rlproxy.training.gate import make_gate
 from rlproxy.training.items import item_choice, item_key, released_turns
@@ -59,8 +60,6 @@ __all__ = ["Trainer", "TrainerStats", "released_turns", "training_copy"]  # app.
 log = logging.getLogger("rlproxy.trainer")
 TRAINED_KEEP = 100_000  # keys remembered as trained once running (start-up reads them all)
 MAX_QUEUED = 10_000  # items waiting; past it an item waits for a restart (released_turns)
-SYNC_IDLE_S = 30.0  # remote: an idle trainer brings back the run's weights this often
-SYNC_RETRY_S = 5.0  # remote: a failed weights sync is tried again after this
 STOP_WAIT_S = 120.0  # a stop waits this long for a step; then it ends the step uncharged
 
 
@@ -84,7 +83,7 @@ class TrainerStats:
     skipped_steps: int = 0
 
 
-class Trainer(Control):
+class Trainer(Control, RemoteSync):
     """The trainer thread and its state: the learner, the step and adapter version, the reward
     baseline, the books of keys, the journal, the pacer and the eval gate."""
 
@@ -252,41 +251,6 @@ class Trainer(Control):
                     return [self._latest.pop(item_key(s), s) for s in batch]
         return []
 
-    def sync_if_due(self) -> float:
-        """Remote learner, between batches: retry a sync that failed (every SYNC_RETRY_S), or
-        bring back the run's weights every SYNC_IDLE_S (other replicas' steps), published as
-        a new version only when they changed. The seconds until the next one is due."""
-        if self.gate is not None:  # only what this replica's gate passed is served
-            return SYNC_IDLE_S
-        behind = self.synced_version != self.version
-        due = SYNC_RETRY_S if behind else SYNC_IDLE_S
-        left = due - (time.monotonic() - self.last_sync)
-        if left > 0:
-            return left
-        if behind:
-            self.publish(self.version)
-            return SYNC_RETRY_S
-        self.last_sync = time.monotonic()
-        try:
-            weights = self.learner.fetch_changed()
-        except (LearnerUnavailable, ValueError) as e:
-            log.warning("could not check the run for new weights: %s", e)
-            return SYNC_IDLE_S
-        if weights is not None:
-            self.version += 1
-            self.synced_version = self.version
-            if self.engine is not None:
-                self.engine.publish_adapter(weights, self.version)
-            log.info("the run's weights changed elsewhere: serving them as version %d",
-                     self.version)
-        return SYNC_IDLE_S
-
-    def sync_now(self) -> None:
-        """Remote learner, at start-up: bring back the run's weights now (a new version if
-        they differ from what the engine serves)."""
-        self.synced_version, self.last_sync = self.version, float("-inf")
-        self.sync_if_due()
-
     # ---- the thread ----
 
     def _run(self) -> None:
@@ -396,6 +360,8 @@ class Trainer(Control):
                  fb.tokens)
         opt = self.learner.optim_step(self.learner.learning_rate())
         self.journal.applied()
+        if self.remote and (back := self.learner.went_back()):  # a restarted learner
+            self.train_again(*back)
         self.pacer(time.perf_counter() - unit)
         self.step += 1
         # a shared remote run numbers versions by its own steps, every replica's
@@ -424,6 +390,7 @@ class Trainer(Control):
             "learning_rate": opt.learning_rate, "lr_scale": self.learner.lr_scale,
             "published": self.gate is None, "uids": [u for e in examples for u in e["uids"]],
             "staleness": [s for e in examples for s in e["staleness"]],  # per uid
+            **({"run_step": opt.run_step} if self.remote else {}),
             "prompt_grad": self.t.prompt_grad, "units": units["units"],
             "max_unit_s": round(units["max_unit_s"], 4),
             "yielded_s": round(units["yielded_s"], 4), "time": round(time.time(), 3),
@@ -442,17 +409,8 @@ class Trainer(Control):
         remote learner's that cannot be brought back now is tried again when the trainer is
         idle (`sync_if_due`); serving goes on with the last good adapter meanwhile."""
         if self.remote:
-            self.last_sync = time.monotonic()
-            try:
-                weights = self.learner.sync_weights(self.engine, version)
-            except (LearnerUnavailable, ValueError) as e:  # down, or weights that do not fit
-                self.error = f"weights sync for version {version} failed: {e}"
-                log.error(self.error)
-                return
-            if self.error and self.error.startswith("weights sync"):
-                self.error = None
-            self.synced_version = version
-            if weights is None:  # --sampler tinker: the engine samples the saved path itself
+            weights = self.fetch_for_publish(version)
+            if weights is None:  # not brought back (retried), or --sampler tinker's path
                 return
         else:
             weights = self.learner.save_weights_for_sampler()
