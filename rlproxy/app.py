@@ -33,9 +33,11 @@ from rlproxy.ops.health import health
 from rlproxy.ops.progress import phase
 from rlproxy.ops.ui.views import add_ui_routes, ui_context
 from rlproxy.pipeline import pipeline_context
+from rlproxy.remote.sampler import TinkerSampler
+from rlproxy.remote.service import base_model_name
 from rlproxy.serving.blas import blas_in_use
 from rlproxy.serving.engine import Engine
-from rlproxy.serving.model import LoadedModel, load_serving_model
+from rlproxy.serving.model import LoadedModel, load_serving_model, load_tokenizer_only
 from rlproxy.settings import Settings
 from rlproxy.tinker.routes import add_tinker_routes
 
@@ -48,6 +50,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 def engine_context(settings: Settings, loaded: LoadedModel | None):
+    if settings.remote.sampler == "tinker":
+        return tinker_sampler_context(settings, loaded)
+
     async def ctx(app: web.Application):
         loop = asyncio.get_running_loop()
         # Load on this (main) thread: MLX objects made on a pool thread abort at exit.
@@ -70,6 +75,30 @@ def engine_context(settings: Settings, loaded: LoadedModel | None):
         await loop.run_in_executor(None, engine.stop)
         if prefix_cache is not None:  # after the engine: its last stores are flushed to disk
             await loop.run_in_executor(None, prefix_cache.close)
+
+    return ctx
+
+
+def tinker_sampler_context(settings: Settings, loaded: LoadedModel | None):
+    """--sampler tinker: the tokenizer of --model and, in the engine's place, a Tinker
+    SamplingClient (remote/sampler.py). No weights, so no prefix cache either."""
+    async def ctx(app: web.Application):
+        with phase("loaded the tokenizer"):
+            model = loaded or load_tokenizer_only(settings.model)
+        sampler = TinkerSampler(settings.remote, base_model_name(settings, model),
+                                model.tokenizer.eos_token_ids,
+                                max_batch=settings.engine.max_batch)
+        with phase("asked the Tinker service for its models"):
+            context = sampler.check()  # a wrong key or base model: a start-up error
+        if context:
+            model.context_length = min(model.context_length, int(context))
+        sampler.start()
+        app[MODEL], app[ENGINE] = model, sampler
+        log.info("serving %s through the Tinker service at %s (base model %s, context %d "
+                 "tokens; no local weights, no prefix cache)", model.model_id, sampler.url,
+                 sampler.base_model, model.context_length)
+        yield
+        sampler.stop()
 
     return ctx
 

@@ -20,7 +20,9 @@ from aiohttp import web
 
 from rlproxy.appkeys import ENGINE, MODEL, SCORER, SESSIONS, TRAINER
 from rlproxy.ops.progress import phase
+from rlproxy.remote.judge import TINKER, TinkerJudge
 from rlproxy.remote.learner import remote_learner
+from rlproxy.remote.service import base_model_name
 from rlproxy.scoring.judges import LocalJudge, RemoteJudge
 from rlproxy.scoring.scorer import Scorer
 from rlproxy.serving.engine import Engine
@@ -41,7 +43,7 @@ class Pipeline:
 
 
 def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine) -> Pipeline:
-    judge, teacher, judges = make_judges(settings, engine)
+    judge, teacher, judges = make_judges(settings, model, engine)
     trainer = scorer = None
     try:
         trainer = make_trainer(settings, model, engine) if settings.trainer.train else None
@@ -68,24 +70,34 @@ def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine) -> Pi
     return Pipeline(store, scorer, trainer, judges)
 
 
-def make_judges(settings: Settings, engine: Engine):
-    """(judge, teacher, every backend made): a local base-model copy and/or a remote server."""
+def make_judges(settings: Settings, model: LoadedModel, engine: Engine):
+    """(judge, teacher, every backend made): the Tinker service's base model (`tinker`, the
+    default with --sampler tinker, which has no local weights), a remote server, or a local
+    base-model copy. The judge backend answers votes and OPD's hints; the teacher, log-probs."""
     s = settings.scoring
-    needs_judge = s.judge and s.method != "opd"
-    needs_local = ((needs_judge or s.method != "rl") and s.judge_url is None) or (
-        s.method != "rl" and s.teacher_url is None)
-    local = remote = None
-    if needs_local:  # a second, adapter-free copy of the base model, on its own thread
+    default = TINKER if settings.remote.sampler == "tinker" else None
+    judge_url, teacher_url = s.judge_url or default, s.teacher_url or default
+    wanted = [(judge_url, (s.judge and s.method != "opd") or s.method != "rl"),
+              (teacher_url, s.method != "rl")]
+    local = remote = service = None
+    if any(url is None and used for url, used in wanted):
+        # a second, adapter-free copy of the base model, on its own thread
         with phase("loaded the judge's base model"):
             base, tokenizer = load_base_model(settings.model)
         local = LocalJudge(base, tokenizer, busy=lambda: engine.stats.active > 0,
                            yield_ms=s.judge_yield_ms)
-    if s.judge_url or s.teacher_url:
-        remote = RemoteJudge(s.judge_url or s.teacher_url, s.judge_model, s.judge_api_key,
-                             s.judge_timeout_s, s.judge_retries, teacher_url=s.teacher_url)
-    judge = remote if s.judge_url else local
-    teacher = remote if s.teacher_url else local
-    return judge, teacher, [b for b in (remote, local) if b is not None]
+    if any(url == TINKER and used for url, used in wanted):
+        service = TinkerJudge(settings.remote, base_model_name(settings, model), model.tokenizer)
+    http_judge, http_teacher = (u if u != TINKER else None for u in (judge_url, teacher_url))
+    if http_judge or http_teacher:
+        remote = RemoteJudge(http_judge or http_teacher, s.judge_model, s.judge_api_key,
+                             s.judge_timeout_s, s.judge_retries, teacher_url=http_teacher)
+
+    def backend(url):
+        return service if url == TINKER else remote if url else local
+
+    return backend(judge_url), backend(teacher_url), [
+        b for b in (service, remote, local) if b is not None]
 
 
 def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine) -> Trainer:

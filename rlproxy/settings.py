@@ -206,15 +206,17 @@ class ScoringSettings(Section):
         [], description="module:function called with (turn, next_state) or (turn, next_state, "
         "choice=i) on a worker thread, returning a reward in [-1, 1] or None (repeatable)")
     judge_url: str | None = Field(
-        None, description="OpenAI-compatible judge base URL, e.g. http://127.0.0.1:8001/v1 "
-        "(default: the local base model)")
+        None, description="OpenAI-compatible judge base URL, e.g. http://127.0.0.1:8001/v1, or "
+        "'tinker' for the Tinker service's base model (default: the local base model; with "
+        "--sampler tinker, 'tinker')")
     judge_model: str = Field(
         "default", description="model name sent to judge_url (and teacher_url)")
     judge_api_key: str | None = Field(
         None, description="API key sent to judge_url (default: none)")
     teacher_url: str | None = Field(
-        None, description="vLLM-compatible URL giving prompt log-probs for OPD (default: the "
-        "local base model)")
+        None, description="vLLM-compatible URL giving prompt log-probs for OPD, or 'tinker' for "
+        "the Tinker service's base model (default: the local base model; with --sampler "
+        "tinker, 'tinker')")
     judge_timeout_s: float = Field(
         60.0, gt=0, description="per judge/teacher HTTP call, in seconds")
     judge_retries: int = Field(

@@ -89,6 +89,7 @@ async def serve_adapter(request: web.Request) -> web.Response:
         except Exception as e:  # e.g. a checkpoint of another LoRA layout: nothing changed
             raise unusable(path, e) from None
     else:
+        no_local_model(app)
         try:
             line = publish_checkpoint(app, path)
         except Exception as e:
@@ -112,6 +113,14 @@ async def trainer_rollback(trainer, step: int) -> dict:
                            "withdrawn and nothing changed: try again",
                            type="server_error") from None
     return await wrapped
+
+
+def no_local_model(app: web.Application) -> None:
+    """409 where the action needs local weights and --sampler tinker has none."""
+    if app[MODEL].model is None:
+        raise APIError(409, "this server holds no local weights (--sampler tinker): roll the run "
+                       "back with --trainer tinker, or download from the learner",
+                       code="no_local_model")
 
 
 def unusable(path: Path, e: Exception) -> APIError:
@@ -207,6 +216,7 @@ async def download_peft(request: web.Request) -> web.Response:
     and evaluated on the event loop's thread, where the models live (MLX arrays are made and
     evaluated where a stream is; a LoRA adapter converts in ms); written and zipped on a pool
     thread, as download's .zip."""
+    no_local_model(request.app)
     import mlx.core as mx
 
     from rlproxy.serving import peft

@@ -294,6 +294,11 @@ def generation_error(e: EngineFailure | Interrupted) -> APIError:
     if isinstance(e, Interrupted):
         return APIError(408, f"the stream was not read: generation stopped when "
                         f"{MAX_BACKLOG} tokens waited for the client", code="client_stalled")
+    if isinstance(e, EngineFailure) and e.status == 503:  # --sampler tinker, service down
+        return APIError(503, f"generation failed: {e}", type="server_error",
+                        code="sampler_unavailable", headers={"Retry-After": "5"})
+    if isinstance(e, EngineFailure) and e.status == 400:  # parameters it cannot apply
+        return APIError(400, str(e), code="unsupported_parameter")
     return APIError(500, f"generation failed: {e}", type="server_error")
 
 

@@ -7,7 +7,8 @@ keys and their order are a contract (`rlproxy status`, probes, tests): add, neve
 
 `status` is "ok", "degraded" (serving, but a record file's last write failed: a full disk;
 `disk.failing` names each file, and the status is ok again once a write to it succeeds; the
-answer stays 200, so that a liveness probe does not restart a server that only needs space), or
+answer stays 200, so that a liveness probe does not restart a server that only needs space; also
+while --sampler tinker's service does not answer: `error` and `engine.service_error` say so), or
 "error" (503: the engine thread died).
 """
 
@@ -35,10 +36,12 @@ def health(app: web.Application, blas: str) -> tuple[dict, int]:
     """(the body, 200, or 503 once the engine thread has died). BLAS: which BLAS MLX uses
     (serving/blas.py, read by the caller: ops/ imports no serving module)."""
     engine, model = app[ENGINE], app[MODEL]
-    ok = engine.alive and engine.error is None
+    # --sampler tinker: a service that is down is not a dead server (no liveness restart)
+    remote_down = engine.health().get("service_error") is not None
+    ok = engine.alive and (engine.error is None or remote_down)
     failing = records.failing()
     body = {
-        "status": "error" if not ok else "degraded" if failing else "ok",
+        "status": "error" if not ok else "degraded" if failing or remote_down else "ok",
         "error": engine.error,
         "model": model.model_id,
         "model_source": {"path": model.source, "origin": model.origin},

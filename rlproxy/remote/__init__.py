@@ -9,6 +9,10 @@ front doors, sessions, records, scoring, the prefix cache, the dashboard.
   weights.py  a run's weights downloaded (mlx-lm's layout or PEFT's) and fitted to the local
               base model's LoRA layout
   learner.py  RemoteLearner: the calls of training/learner.py's LocalLearner, on the service
+  sampler.py  --sampler tinker: TinkerSampler in the engine's place (a SamplingClient per
+              weights path; `publish_sampler` after each sync)
+  judge.py    --judge-url / --teacher-url tinker: the judge and OPD teacher on the service's
+              base model
 
 Not here: the Tinker API this process *serves* (tinker/), the training loop (training/).
 """

@@ -27,8 +27,8 @@ class TinkerJudge:
         self.tokenizer = tokenizer
         self.clients = SamplingClients(r, base_model)
 
-    async def close(self) -> None:
-        self.clients.drop()
+    def close(self) -> None:
+        self.clients.drop("success")
 
     async def _sample(self, ids: list[int], params, prompt_logprobs: bool = False):
         try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +33,8 @@ from rlproxy.remote import weights as remote_weights
 from rlproxy.remote.datums import loss_config, to_datums
 from rlproxy.paths import CHECKPOINTS, TRAINER_STATE
 from rlproxy.remote.service import (
-    LearnerRefused, LearnerUnavailable, api_key, call, replica_identity, resolve,
+    LearnerRefused, LearnerUnavailable, api_key, base_model_name, call, replica_identity,
+    resolve,
     rest_client, service_client,
 )
 from rlproxy.serving.model import lora_weights
@@ -324,7 +324,7 @@ def remote_learner(settings: Settings, loaded, model: nn.Module | None) -> Remot
     wrong key, an unknown base model, a run of another base or rank) is a start-up error (a
     ValueError); a service that is down is not: serving starts, and training waits for it."""
     r = settings.remote
-    base = r.tinker_base_model or (settings.server.served_model_name or [loaded.model_id])[0]
+    base = base_model_name(settings, loaded)
     ident = replica_identity(settings.records.data_dir, r)
     learner = RemoteLearner(settings, model, loaded.lora_config,
                             settings.records.data_dir / CHECKPOINTS, base, ident)

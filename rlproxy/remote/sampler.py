@@ -25,28 +25,26 @@ PROBE_EVERY_S until it answers again. Nothing here knows HTTP, text or sessions.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
 import secrets
+import threading
 import time
 from dataclasses import asdict, dataclass
 
 from rlproxy.remote.service import (
-    LearnerRefused, LearnerUnavailable, call, refusal, service_client,
+    LearnerRefused, LearnerUnavailable, call, refusal, rest_client,
+    service_client,
 )
 from rlproxy.serving.engine import EngineStats
 from rlproxy.serving.jobs import Job, Step, Token
-from rlproxy.settings import RemoteSettings, Settings
+from rlproxy.settings import RemoteSettings
 
 log = logging.getLogger("rlproxy.remote")
 PROBE_EVERY_S = 2.0  # while the service is failing: how often to ask it again
 PROBE_TIMEOUT_S = 10.0  # start-up check and probes: the longest wait for the capabilities
 DELIVER_CHUNK = 64  # steps handed over before the reader gets the loop (api's backlog limit)
-
-
-def base_model_name(settings: Settings, loaded) -> str:
-    """The service's name for the model: --tinker-base-model, else the first served name."""
-    return settings.remote.tinker_base_model or (
-        settings.server.served_model_name or [loaded.model_id])[0]
 
 
 class SamplingClients:
@@ -65,24 +63,22 @@ class SamplingClients:
             return self.clients[path]
         async with self._making:  # one session and client made at a time, shared by waiters
             if path not in self.clients:
-                loop = asyncio.get_running_loop()
-                self.clients[path] = await loop.run_in_executor(None, self._make, path)
+                service = self.service or service_client(self.r)  # no network yet
+                made = on_own_thread(lambda: _sampling_client(service, path, self.base_model,
+                                                              self.timeout))
+                client = await bounded(asyncio.wrap_future(made), self.timeout,
+                                       f"a sampling client for {path or self.base_model}")
+                self.service, self.clients[path] = service, client
             return self.clients[path]
 
-    def _make(self, path: str | None):
-        """On a pool thread: the SDK makes its session synchronously on first use."""
-        def make():
-            if self.service is None:
-                self.service = service_client(self.r)
-            if path is None:
-                return self.service.create_sampling_client(base_model=self.base_model).result()
-            return self.service.create_sampling_client(model_path=path).result()
-        return call(make, self.timeout, f"a sampling client for {path or self.base_model}")
-
-    def drop(self) -> None:
-        """After a failure: the next request makes a new session (its threads end with the
-        process, as the learner's do)."""
-        self.service, self.clients = None, {}
+    def drop(self, status: str = "errored") -> None:
+        """After a failure, and at shutdown: the next request makes a new session. The old one
+        is closed in the background, which also ends its heartbeats (they would log a warning
+        every 10 s for as long as the process lives)."""
+        service, self.service, self.clients = self.service, None, {}
+        if service is not None:  # on a thread of its own: the SDK may wait for a dead service
+            threading.Thread(target=_close, args=(service, status), daemon=True,
+                             name="rlproxy-tinker-close").start()
 
     async def sample(self, path: str | None, ids: list[int], params, *, topk: int = 0,
                      prompt_logprobs: bool = False):
@@ -98,22 +94,57 @@ class SamplingClients:
                 fut = client.sample(prompt=types.ModelInput.from_ints(ids), num_samples=1,
                                     sampling_params=params, topk_sample_logprobs=topk,
                                     include_prompt_logprobs=prompt_logprobs)
-                return await deadline(fut, self.timeout, "sample")
+                return await bounded(asyncio.wrap_future(fut.future()), self.timeout,
+                                     "sample", cancel=fut.future().cancel)
             except (LearnerRefused, LearnerUnavailable) as e:
                 self.drop()
                 if isinstance(e, LearnerUnavailable) or fresh or attempt:
                     raise
 
 
-async def deadline(fut, timeout: float, what: str):
-    """An SDK future's result on this loop within TIMEOUT, with service.call's errors."""
+def _close(service, status: str) -> None:
     try:
-        return await fut.result_async(timeout)
+        service.close(status).result(timeout=PROBE_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001  (a dead service or a session never opened)
+        log.debug("closing a Tinker session: %s", e)
+
+
+def _sampling_client(service, path: str | None, base_model: str, timeout: float):
+    made = (service.create_sampling_client(base_model=base_model) if path is None
+            else service.create_sampling_client(model_path=path))
+    return made.result(timeout=timeout)
+
+
+def on_own_thread(fn) -> concurrent.futures.Future:
+    """fn() on a daemon thread of its own. The SDK makes a session synchronously, retrying a
+    service that is down for minutes; a pool thread left waiting there would hold up the
+    process's exit (concurrent.futures joins its threads), a daemon thread does not."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001  (handed to the waiter)
+                fut.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="rlproxy-tinker-call").start()
+    return fut
+
+
+async def bounded(awaitable, timeout: float, what: str, cancel=lambda: None):
+    """AWAITABLE's result within TIMEOUT, failing as service.call fails (LearnerRefused when
+    the caller is wrong, LearnerUnavailable otherwise); CANCEL stops it on the SDK's side."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await awaitable
     except TimeoutError:
-        fut.future().cancel()
+        cancel()
         raise LearnerUnavailable(f"{what}: no answer from the Tinker service in {timeout:g} s")
     except asyncio.CancelledError:
-        fut.future().cancel()
+        cancel()
+        raise
+    except (LearnerRefused, LearnerUnavailable):
         raise
     except Exception as e:  # worded as service.call words it
         said = refusal(e)
@@ -170,15 +201,19 @@ class TinkerSampler:
             return None
 
     def _capabilities(self) -> int | None:
+        timeout = min(self.r.tinker_timeout_s, PROBE_TIMEOUT_S)
+
         def ask():
-            return service_client(self.r).create_rest_client().get_server_capabilities().result()
-        caps = call(ask, min(self.r.tinker_timeout_s, PROBE_TIMEOUT_S), "server capabilities")
+            os.environ.setdefault("TINKER_TELEMETRY", "0")  # as service_client does
+            rest = rest_client(self.r)
+            return rest.get_server_capabilities().result(timeout=timeout)
+        caps = call(ask, timeout, "server capabilities")
         models = {m.model_name: m for m in caps.supported_models}
         if self.base_model not in models:
             raise LearnerRefused(f"the Tinker service has no base model {self.base_model!r} "
                                  f"(it has {', '.join(models) or 'none'}): set "
                                  "--tinker-base-model, or --served-model-name to its name")
-        return getattr(models[self.base_model], "max_context_length", None)
+        return models[self.base_model].max_context_length
 
     # ---- Engine's entry points ----
 
@@ -190,6 +225,7 @@ class TinkerSampler:
     def stop(self) -> None:
         for fut in list(self._running.values()):
             fut.cancel()
+        self.clients.drop("success")
         if self._probe is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._probe.cancel)
 
@@ -249,7 +285,8 @@ class TinkerSampler:
         except (LearnerRefused, LearnerUnavailable) as e:
             if isinstance(e, LearnerUnavailable):
                 self._failed(str(e))
-            steps = [Step(finish_reason="error", error=str(e))]
+            steps = [Step(finish_reason="error", error=str(e),
+                          status=503 if isinstance(e, LearnerUnavailable) else 400)]
         except Exception as e:  # a bug here fails this request, not the server
             log.exception("sampling on the Tinker service failed")
             steps = [Step(finish_reason="error", error=f"{type(e).__name__}: {e}")]

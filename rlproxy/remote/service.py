@@ -1,8 +1,8 @@
 """The tinker SDK's clients, made from the settings, and every call to them with a deadline.
 
 The SDK retries a learner that is down for up to five minutes inside one call, and makes its
-session synchronously on the first call; `call` runs each call on a small pool of its own
-threads and gives up after `tinker_timeout_s`, so the trainer thread never hangs on the
+session synchronously on the first call; `call` runs each call on a daemon thread of its own
+and gives up after `tinker_timeout_s`, so the trainer thread never hangs on the
 network. Failures come out as one of two errors:
 
   LearnerRefused      the caller is wrong: a rejected key, a base model the service does not
@@ -18,6 +18,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from rlproxy.settings import RemoteSettings
 from rlproxy.training.learner import LearnerRefused, LearnerUnavailable  # the loop's errors
 
 log = logging.getLogger("rlproxy.remote")
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlproxy-tinker")
 REPLICA = "remote.json"  # under the data dir: this replica's id and default run name
 
 
@@ -55,12 +55,20 @@ def refusal(e: BaseException) -> str | None:
 
 
 def call(fn, timeout: float, what: str):
-    """fn() on the pool, within TIMEOUT seconds; LearnerRefused or LearnerUnavailable."""
-    fut = _POOL.submit(fn)
+    """fn() on a daemon thread of its own, within TIMEOUT seconds; LearnerRefused or
+    LearnerUnavailable. A daemon: a call the SDK keeps retrying for minutes never holds up
+    the process's exit."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001  (handed to the caller)
+            fut.set_exception(e)
+    threading.Thread(target=run, name="rlproxy-tinker-call", daemon=True).start()
     try:
         return fut.result(timeout=timeout)
     except concurrent.futures.TimeoutError:
-        fut.cancel()
         raise LearnerUnavailable(f"{what}: no answer from the Tinker service in {timeout:g} s")
     except (LearnerRefused, LearnerUnavailable):
         raise
@@ -94,6 +102,12 @@ def service_client(r: RemoteSettings):
     tinker = sdk()
     os.environ.setdefault("TINKER_TELEMETRY", "0")  # nothing leaves for a third party
     return tinker.ServiceClient(base_url=r.tinker_url, api_key=api_key(r))
+
+
+def base_model_name(settings, loaded) -> str:
+    """The service's name for the model: --tinker-base-model, else the first served name."""
+    return settings.remote.tinker_base_model or (
+        settings.server.served_model_name or [loaded.model_id])[0]
 
 
 def rest_client(r: RemoteSettings):

@@ -109,7 +109,12 @@ class ChoiceRecord:
 
 
 class EngineFailure(Exception):
-    pass
+    """A generation that failed; `status`: 503 a sampler elsewhere was down, 400 it refused
+    the request's parameters, 500 anything else."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 class Interrupted(Exception):
@@ -229,7 +234,7 @@ class Generation:
                 continue  # tokens that were in flight after a stop string matched
             if step.error:
                 self.cancel()
-                raise EngineFailure(step.error)
+                raise EngineFailure(step.error, step.status)
             deltas: list = []
             entries: list = []
             if step.token is not None:

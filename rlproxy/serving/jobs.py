@@ -38,6 +38,7 @@ class Step:
     token: Token | None = None
     finish_reason: str | None = None  # "stop" (end token) | "length" | "error"
     error: str | None = None
+    status: int = 500  # the error's HTTP status: 503 a sampler elsewhere is down, 400 refused
 
 
 @dataclass

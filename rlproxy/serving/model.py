@@ -7,7 +7,8 @@ mlx-lm directory first (`rlproxy.gguf` converts GGUF files), so all load through
 layers (zero-initialised `lora_b`, so version 0 equals the base), which is what lets the trainer's
 adapter be swapped in with `model.update(...)`. `--context-length` sets the window served: below
 the trained one it only lowers the limit, above it the config gets YaRN RoPE scaling before the
-model is built. This module does not generate or serve anything.
+model is built. With --sampler tinker (`load_tokenizer_only`) only the tokenizer and config are
+loaded: the weights are on the Tinker service. This module does not generate or serve anything.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ log = logging.getLogger("rlproxy.model")
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: nn.Module | None  # None with --sampler tinker: only the tokenizer is loaded
     tokenizer: object  # mlx_lm TokenizerWrapper
     model_id: str  # what /v1/models reports by default, and the identity KV caches are keyed by
     source: str  # the path or hub id it was loaded from
@@ -230,6 +231,36 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
         lora_config=lora_config,
         quantize_bits=settings.quantize_bits,
         config_overrides=overrides,
+    )
+
+
+def load_tokenizer_only(settings: ModelSettings) -> LoadedModel:
+    """--sampler tinker: the model's tokenizer, chat template and config, no weights
+    (`model` is None). For a hub id only the tokenizer's and config's files are fetched. The
+    window is the trained one or --context-length below it: the service applies no scaling of
+    ours, so a longer --context-length is refused."""
+    from mlx_lm.utils import load_tokenizer
+
+    source = resolve_source(settings.model, settings.dequantize)
+    config = read_config(source.path)
+    trained = config.get("max_position_embeddings")
+    wanted = settings.context_length
+    if wanted is not None and trained and wanted > trained:
+        raise ValueError(f"--context-length {wanted}: with --sampler tinker the service serves "
+                         f"the model's own window of {trained} tokens; set --context-length "
+                         f"{trained} or less")
+    tokenizer = load_tokenizer(source.path, eos_token_ids=config.get("eos_token_id"))
+    text = config.get("text_config", {})
+    layers = config.get("num_hidden_layers") or text.get("num_hidden_layers") or 0
+    return LoadedModel(
+        model=None,
+        tokenizer=tokenizer,
+        model_id=source.model_id,
+        source=source.path,
+        origin=f"{source.origin}; tokenizer only (--sampler tinker)",
+        context_length=int(wanted or trained or getattr(tokenizer, "model_max_length", 4096)),
+        vocab_size=int(config.get("vocab_size") or text.get("vocab_size") or len(tokenizer)),
+        lora_config=lora_config_from(settings, layers),
     )
 
 

@@ -397,8 +397,9 @@ async def missing_sdk(request):
 
 def add_tinker_routes(app: web.Application) -> None:
     """Register /api/v1/* (before the app's catch-all 404) and the worker's lifetime."""
-    if app[SETTINGS].server.tinker_max_models <= 0:
-        return
+    settings = app[SETTINGS]
+    if settings.server.tinker_max_models <= 0 or settings.remote.sampler == "tinker":
+        return  # off, or no local weights to train or sample (--sampler tinker)
     routes = [
         ("POST", "client/config", empty), ("POST", "client/dynamic_config", empty),
         ("POST", "create_session", create_session), ("POST", "session_heartbeat", heartbeat),
