@@ -419,6 +419,9 @@ class Settings(Section):
                 if value > 0:
                     raise ValueError(f"--trainer tinker: the Tinker API's losses have no "
                                      f"{name} term; set --{name.replace('_', '-')} 0")
+        if r.sampler == "tinker" and t.train and t.eval_every:
+            raise ValueError("--sampler tinker: the eval gate measures on local weights, and "
+                             "there are none; set --eval-every 0")
         if r.sampler == "tinker" and t.train and r.trainer != "tinker":
             raise ValueError("--sampler tinker has no local weights to train: add --trainer "
                              "tinker, or --no-train")

@@ -227,7 +227,7 @@ def test_a_turn_over_the_memory_budget_is_skipped_with_its_reason(tmp_path):
 
 
 CHILD = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     import rlproxy
     import mlx.core as mx
     from rlproxy.serving.model import load_serving_model, lora_weights
@@ -247,7 +247,10 @@ CHILD = textwrap.dedent("""
     after = lora_weights(trainer.learner.model)
     changed = [k for k in before if not mx.array_equal(before[k], after[k]).item()]
     trainer.stop()
-    print(json.dumps({"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    # VmHWM, this process's own peak: ru_maxrss keeps the forking parent's (Linux carries it
+    # over exec), so a big pytest worker would be measured instead
+    hwm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM"))
+    print(json.dumps({"rss_mb": hwm / 1024,
                       "changed": changed, "lora_b": [k for k in before if "lora_b" in k],
                       "lines": lines}))
 """)

@@ -197,6 +197,22 @@ def test_learner_down_mid_training_serving_goes_on_and_nothing_is_lost(tmp_path)
             assert trained.count(recorded["b0"]) == 2  # once before the crash, once after
             # the run on the new learner holds every step since the crash, none twice
             assert steps[-1]["run_step"] == len(steps) - 1
+
+            # the learner restarts while the replica is idle: its handle is unknown to the new
+            # one; the replica joins again instead of blaming the turns
+            lrn2.stop(signal.SIGKILL)
+            lrn3 = Server(lrn.data_dir, "--no-train", port=lrn.port).wait()
+            try:
+                drive(rep, ["c0", "c1"])
+                until(lambda: rep.health()["trainer"]["turns_trained"] >= 16, 120,
+                      "the new turns, and the lost steps' six again")
+                t = rep.health()["trainer"]
+                assert t["quarantined"] == 0 and t["error"] is None  # nothing quarantined, training healthy
+                lines = [json.loads(x) for x in (rep.data_dir / "training.jsonl").read_text()
+                         .splitlines()]
+                assert len([ln for ln in lines if ln["kind"] == "train_again"]) == 2
+            finally:
+                lrn3.stop()
         finally:
             lrn2.stop()
     finally:
@@ -332,5 +348,35 @@ def test_eval_gate_and_operator_rollback_with_a_remote_learner(learner, tmp_path
                     20.0, 10 ** 6)
         for k, v in saved.items():
             assert mx.allclose(got.weights[k], v, atol=1e-6).item(), k
+    finally:
+        rep.stop()
+
+
+def test_a_gate_refusal_rolls_the_run_back_on_the_learner(learner, tmp_path):
+    """A candidate the replica's gate refuses (here: any KL at all) is undone on the learner:
+    the run is back at the good state the gate saved there, its lora_b all zero again."""
+    rep = Server(tmp_path / "refuse", *replica_flags(learner, "refused"), "--eval-every", "1",
+                 "--eval-probes", "2", "--eval-max-tokens", "4", "--max-kl", "1e-12").wait()
+    try:
+        drive(rep, ["r0", "r1"])
+        until(lambda: rep.health()["trainer"]["gate_rollbacks"] >= 1, 120, "a gate rollback")
+        lines = [json.loads(x) for x in (rep.data_dir / "training.jsonl").read_text()
+                 .splitlines()]
+        (rollback,) = [ln for ln in lines if ln["kind"] == "rollback"]
+        assert rollback["gate"] and "kl" in rollback["reason"].lower()
+        import tinker
+        from rlproxy.remote.weights import fetch
+        sc = tinker.ServiceClient(base_url=learner.url, api_key=KEY)
+        tc = sc.create_lora_training_client(base_model="rlproxy-embedded-tiny", rank=8,
+                                            train_unembed=False,
+                                            user_metadata={"rlproxy_run": "refused"}).result()
+        saved = mx.load(str(next((rep.data_dir / "checkpoints").glob("step_*"))
+                            / "adapters.safetensors"))
+        got = fetch(tc, tinker.RestClient(base_url=learner.url, api_key=KEY), "check", KEY,
+                    learner.url, 30, {k: mx.zeros_like(v) for k, v in saved.items()}, 20.0,
+                    10 ** 6)
+        sc.close("success").result()
+        b = [k for k in got.weights if k.endswith("lora_b")]
+        assert b and all(not got.weights[k].any().item() for k in b)  # the step is undone
     finally:
         rep.stop()

@@ -220,14 +220,25 @@ def test_an_idle_named_run_is_saved_before_it_leaves_memory(tiny, tmp_path):
 
 def test_a_client_that_stops_heartbeating_frees_its_run(tiny, tmp_path, monkeypatch):
     """A replica killed without finishing its session holds its run only until its heartbeats
-    stop for SESSION_EXPIRY_S: then the run is saved and makes room like an idle one."""
+    stop for SESSION_EXPIRY_S: then the run is saved and makes room like an idle one; a run
+    whose client keeps beating is never taken."""
     from rlproxy.tinker import runs
-    monkeypatch.setattr(runs, "SESSION_EXPIRY_S", 1.0)  # the SDK beats every 10 s
+    monkeypatch.setattr(runs, "SESSION_EXPIRY_S", 1.0)  # the SDK beats every 10 s: by hand
     data = [sft_datum(TEXT[0])]
-    with ServerThread(make_settings(tmp_path, tinker_max_models=1), tiny) as s:
-        tc = join(service(s.url), tiny.model_id, "h1")  # never closed: as if killed
-        tc.forward_backward(data, "cross_entropy").result()
-        tc.optim_step(LR).result()
-        time.sleep(1.5)
-        join(service(s.url), tiny.model_id, "h2")  # h1's session went silent: it makes room
+    with ServerThread(make_settings(tmp_path, tinker_max_models=2), tiny) as s:
+        alive = join(service(s.url), tiny.model_id, "h2")  # the least recently used run
+        silent = join(service(s.url), tiny.model_id, "h1")  # never closed: as if killed
+        silent.forward_backward(data, "cross_entropy").result()
+        silent.optim_step(LR).result()
+        sid = alive.model_id.split(":")[0]
+        for _ in range(8):  # h2's session beats; h1's is silent past the expiry
+            req = urllib.request.Request(
+                s.url + "/api/v1/session_heartbeat", data=json.dumps({"session_id": sid})
+                .encode(), headers={"X-API-Key": KEY, "Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=10).read()
+            time.sleep(0.2)
+        join(service(s.url), tiny.model_id, "h3")  # h1 makes room, h2 stays
         assert (tmp_path / "tinker" / "h1" / "weights" / "evicted-step-1").is_dir()
+        assert not (tmp_path / "tinker" / "h2" / "weights").exists()
+        alive.forward_backward(data, "cross_entropy").result()  # its handle still works
+        assert step_of(alive.optim_step(LR).result()) == 1

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +47,9 @@ from rlproxy.training.learner import ForwardBackwardOutput, OptimStepOutput
 
 log = logging.getLogger("rlproxy.remote")
 INIT_SEED = 0  # a new run's LoRA init: the same for every run, so runs can be compared
-RUN_STEP = "rlproxy_run_step"  # an rlproxy learner's optim_step metric: the run's step count
+RUN_STEP = "rlproxy_run_step"
+START_TIMEOUT_S = 15.0  # the longest wait to join a run: the learner answers a join at once
+JOIN_RETRY_S = 4.0  # a join that failed is not tried again sooner (start-up's several calls)  # an rlproxy learner's optim_step metric: the run's step count
 
 
 @dataclass
@@ -73,6 +77,7 @@ class RemoteLearner:
         self.updates = 0  # optimizer updates of the run as last known: the schedule's count
         self.remote_step: int | None = None  # the run's step, from an rlproxy learner
         self._went_back: tuple[int, int] | None = None
+        self.failed_at = float("-inf")  # time.monotonic() of the last join that failed
         self.sync = SyncStats()
         self.service = self.training = self.rest = None
         self.timeout = self.r.tinker_timeout_s
@@ -89,7 +94,15 @@ class RemoteLearner:
         """The training client of the run, joined now if not yet (LearnerRefused / -Unavailable)."""
         if self.training is not None:
             return self.training
-        timeout = timeout or self.timeout
+        if time.monotonic() - self.failed_at < JOIN_RETRY_S:  # start-up: one wait, not four
+            raise LearnerUnavailable(f"the learner did not answer {JOIN_RETRY_S:g} s ago")
+        try:
+            return self._join(min(timeout or self.timeout, START_TIMEOUT_S))
+        except LearnerUnavailable:
+            self.failed_at = time.monotonic()
+            raise
+
+    def _join(self, timeout: float):
         service = service_client(self.r)
         # the SDK makes its session here, synchronously: under the deadline too
         rest = call(lambda: rest_client(self.r), timeout, "connect")
@@ -98,10 +111,10 @@ class RemoteLearner:
         if self.base_model not in names:
             raise LearnerRefused(f"the Tinker service has no base model {self.base_model!r} (it "
                                  f"has {', '.join(names) or 'none'}): set --tinker-base-model")
-        training = resolve(service.create_lora_training_client(
+        training = call(lambda: service.create_lora_training_client(  # makes the session here
             base_model=self.base_model, rank=self.rank, seed=INIT_SEED, train_unembed=False,
-            user_metadata={"rlproxy_run": self.run, "rlproxy_replica": self.replica}),
-            timeout, f"join run {self.run!r}")
+            user_metadata={"rlproxy_run": self.run, "rlproxy_replica": self.replica},
+        ).result(timeout=timeout), timeout + 1.0, f"join run {self.run!r}")
         self.service, self.rest, self.training = service, rest, training
         log.info("joined Tinker run %r at %s as %s", self.run, self.url or "the hosted service",
                  training.model_id)
@@ -112,7 +125,10 @@ class RemoteLearner:
         if self.training is not None:
             log.warning("Tinker learner: %s; joining run %r again on the next try", why,
                         self.run)
-        self.service = self.training = self.rest = None  # its threads end with the process
+        old, self.service, self.training, self.rest = self.service, None, None, None
+        if old is not None:  # finish its session, so the learner drops the handle's gradients
+            threading.Thread(target=lambda: _finish(old, "errored"), daemon=True,
+                             name="rlproxy-tinker-close").start()
 
     def close(self) -> None:
         """Finish the session on the service (its handles go; the run stays), within 5 s."""
@@ -125,12 +141,22 @@ class RemoteLearner:
                 log.warning("could not finish the Tinker session: %s", e)
 
     def guarded(self, fn):
-        """fn(training client); after a LearnerUnavailable the client is dropped."""
+        """fn(training client); after a failure the client is dropped. A refusal on a client
+        joined before this call may be a learner that restarted and forgot it ("unknown model
+        id"): LearnerUnavailable, so the batch is tried again whole on a fresh handle, where
+        a refusal that stands is the request's own."""
+        fresh = self.training is None
         try:
             return fn(self.connect())
         except LearnerUnavailable as e:
             self.drop(str(e))
             raise
+        except LearnerRefused as e:
+            if fresh:
+                raise
+            self.drop(f"refused on the handle joined before ({e})")
+            raise LearnerUnavailable(f"{e} (the learner may have restarted: joining the run "
+                                     "again)") from None
 
     # ---- LocalLearner's calls ----
 
@@ -316,7 +342,11 @@ class RemoteLearner:
                 "sync_failures": self.sync.failures, "sync_error": self.sync.error}
 
 
-START_TIMEOUT_S = 15.0  # a learner that does not answer at start-up: serving starts anyway
+def _finish(service, status: str) -> None:
+    try:
+        service.close(status).result(timeout=30)
+    except Exception:  # noqa: BLE001  (the learner expires a silent session anyway)
+        pass
 
 
 def remote_learner(settings: Settings, loaded, model: nn.Module | None) -> RemoteLearner:

@@ -58,6 +58,16 @@ def version_of_step(data_dir: Path, step: int) -> int:
     return versions[-1] if versions and isinstance(versions[-1], int) else step
 
 
+def last_recorded(data_dir: Path, step: int, version: int) -> tuple[int, int]:
+    """(step, adapter version) of training.jsonl's last step or rollback line past STEP, else
+    (STEP, VERSION)."""
+    for ln in reversed(list(read_jsonl(Path(data_dir) / TRAINING, report_cut=True))):
+        if (ln.get("kind") in ("step", "rollback") and isinstance(ln.get("step"), int)
+                and isinstance(ln.get("adapter_version"), int) and ln["step"] > step):
+            return ln["step"], ln["adapter_version"]
+    return step, version
+
+
 class RollbackSuperseded(Exception):
     """A rollback request replaced by a later one before the trainer took it."""
 
@@ -340,6 +350,9 @@ class Control:
             set_aside(bad, f"its adapter does not fit this model ({e})")
         if path is None:
             self._forget_lost_steps(0)
+            if self.remote:  # numbering goes on after what training.jsonl recorded
+                self.step, self.version = last_recorded(self.data_dir, 0, self.version)
+                self._saved_step = self.step
             return None
         if state is None:  # the weights, without their trainer_state.json
             step = int(path.name[5:])
@@ -347,6 +360,8 @@ class Control:
         self._forget_lost_steps(state["step"])
         self.baseline, self.baseline_n = state.get("baseline", [0.0, 0])
         self.step, self.version = state["step"], state["adapter_version"]
+        if self.remote:  # the run kept the steps after this checkpoint: numbering goes on
+            self.step, self.version = last_recorded(self.data_dir, self.step, self.version)
         self.learner.lr_scale = state.get("lr_scale", 1.0)
         if state.get("schedule", schedule.describe(self.t)) != schedule.describe(self.t):
             log.warning("the learning-rate schedule differs from checkpoint %s's (%s); the "
@@ -369,7 +384,11 @@ class Control:
 
     def _forget_lost_steps(self, step: int) -> None:
         """The steps after checkpoint STEP died with the process: their turns are trained
-        again. Their lines stay in training.jsonl; the journal's `resumed` line names them."""
+        again. Their lines stay in training.jsonl; the journal's `resumed` line names them.
+        Not with a learner elsewhere: its run holds those steps (a run that lost them is
+        caught at the next step, training/remote_sync.py `train_again`)."""
+        if self.remote:
+            return
         n, lost = lost_steps(self.data_dir, step)
         if lost:
             with self._lock:

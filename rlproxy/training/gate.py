@@ -69,6 +69,7 @@ from rlproxy.serving.sampler import make_sampler
 from rlproxy.settings import Settings
 from rlproxy.training import degeneracy
 from rlproxy.training.chunked_grad import chunk_bounds
+from rlproxy.training.learner import LearnerUnavailable
 from rlproxy.training.pacing import Pacer
 
 log = logging.getLogger("rlproxy.trainer")
@@ -299,6 +300,8 @@ class EvalGate:
         """Evaluate candidate VERSION (trained up to STEP): publish it, or roll back."""
         try:
             result = self.evaluate()
+        except LearnerUnavailable:  # a learner elsewhere is down: no verdict, tried again
+            raise
         except Exception as e:  # never publish what could not be measured
             log.exception("the eval gate failed at step %d", step)
             result = {"error": f"{type(e).__name__}: {e}",

@@ -98,7 +98,7 @@ class Trainer(Control, RemoteSync):
         self.learner = learner or LocalLearner(settings, model, lora_config,
                                                self.data_dir / CHECKPOINTS, ref_model)
         self.remote = settings.remote.trainer == "tinker"
-        self.synced_version: int | None = None  # remote: the version last brought back
+        self.unsynced: int | None = None  # remote: a version whose weights did not come back
         self.last_sync = 0.0  # remote: time.monotonic() of the last weights sync or try
         self.learner_failures = 0  # remote: batches in a row the learner could not take
         self.step = 0
@@ -367,9 +367,11 @@ class Trainer(Control, RemoteSync):
         # a shared remote run numbers versions by its own steps, every replica's
         self.version = max(self.version + 1, opt.run_step or 0)
         pause = self.engine.stats.last_swap_ms if self.engine is not None else None
-        if self.gate is None and not (self.remote and self.step % self.settings.remote.sync_every):
+        published = self.gate is None and not (
+            self.remote and self.step % self.settings.remote.sync_every)  # --sync-every N
+        if published:
             self.publish(self.version)
-        else:  # published only once an evaluation passes it (training/gate.py)
+        elif self.gate is not None:  # published only once an evaluation passes it (gate.py)
             self.gate.stepped()
             self.stats.unevaluated_steps = self.gate.since
         log.info("optim_step step=%d version=%d lr=%.3g", self.step, self.version,
@@ -388,7 +390,7 @@ class Trainer(Control, RemoteSync):
             "step_time_s": round(time.perf_counter() - tic, 4),
             "previous_swap_pause_ms": pause,  # the engine applies this step's swap later
             "learning_rate": opt.learning_rate, "lr_scale": self.learner.lr_scale,
-            "published": self.gate is None, "uids": [u for e in examples for u in e["uids"]],
+            "published": published, "uids": [u for e in examples for u in e["uids"]],
             "staleness": [s for e in examples for s in e["staleness"]],  # per uid
             **({"run_step": opt.run_step} if self.remote else {}),
             "prompt_grad": self.t.prompt_grad, "units": units["units"],

@@ -41,24 +41,25 @@ class RemoteSync:
         except (LearnerUnavailable, ValueError) as e:  # down, or weights that do not fit
             self.error = f"weights sync for version {version} failed: {e}"
             log.error(self.error)
+            self.unsynced = version  # `sync_if_due` tries it again
             return None
         if self.error and self.error.startswith("weights sync"):
             self.error = None
-        self.synced_version = version
+        self.unsynced = None
         return weights
 
     def sync_if_due(self) -> float:
         """Between batches: retry a sync that failed, or check the run for other replicas'
         steps. The seconds until the next one is due."""
-        if self.gate is not None:  # only what this replica's gate passed is served
+        behind = self.unsynced is not None  # a publish whose weights did not come back
+        if not behind and self.gate is not None:  # only what this replica's gate passed
             return SYNC_IDLE_S
-        behind = self.synced_version != self.version
         due = SYNC_RETRY_S if behind else SYNC_IDLE_S
         left = due - (time.monotonic() - self.last_sync)
         if left > 0:
             return left
         if behind:
-            self.publish(self.version)
+            self.publish(self.unsynced)
             return SYNC_RETRY_S
         self.last_sync = time.monotonic()
         try:
@@ -68,7 +69,6 @@ class RemoteSync:
             return SYNC_IDLE_S
         if weights is not None:
             self.version += 1
-            self.synced_version = self.version
             if self.engine is not None:
                 self.engine.publish_adapter(weights, self.version)
             log.info("the run's weights changed elsewhere: serving them as version %d",
@@ -78,14 +78,16 @@ class RemoteSync:
     def sync_now(self) -> None:
         """At start-up: bring back the run's weights now (a new version if they differ from
         what the engine serves)."""
-        self.synced_version, self.last_sync = self.version, float("-inf")
+        self.unsynced, self.last_sync = None, float("-inf")
         self.sync_if_due()
 
     def train_again(self, saved: int, last: int) -> None:
         """The run went back to its step SAVED (a restarted learner) after this replica had
         seen step LAST: the turns of this replica's steps SAVED+1 .. LAST train again."""
-        lines = read_jsonl(self.data_dir / TRAINING, report_cut=True)
-        lost = {u for ln in lines if ln.get("kind") == "step"
+        lines = list(read_jsonl(self.data_dir / TRAINING, report_cut=True))
+        since = max((i for i, ln in enumerate(lines) if ln.get("kind") == "train_again"),
+                    default=-1)  # steps of an earlier learner lifetime were handled then
+        lost = {u for ln in lines[since + 1:] if ln.get("kind") == "step"
                 and isinstance(ln.get("run_step"), int) and saved < ln["run_step"] <= last
                 for u in ln.get("uids") or [] if isinstance(u, str)}
         if not lost:
