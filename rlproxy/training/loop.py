@@ -53,7 +53,7 @@ from rlproxy.training.examples import no_signal, pack, turn_example
 from rlproxy.training.gate import make_gate
 from rlproxy.training.items import item_choice, item_key, released_turns
 from rlproxy.training.journal import StepJournal, uids_of
-from rlproxy.training.learner import LearnerUnavailable, LocalLearner, training_copy
+from rlproxy.training.learner import LocalLearner, training_copy
 from rlproxy.training.pacing import Pacer
 
 __all__ = ["Trainer", "TrainerStats", "released_turns", "training_copy"]  # app.py and cli.py's
