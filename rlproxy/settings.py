@@ -250,6 +250,13 @@ class TrainerSettings(Section):
     eps_low: float = Field(0.2, ge=0, le=1, description="PPO/CISPO lower clip")
     eps_high: float = Field(0.28, ge=0, description="PPO/CISPO upper clip")
     dro_beta: float = Field(0.1, ge=0, description="DRO quadratic penalty")
+    off_policy: Literal["decoupled", "coupled"] = Field(
+        "decoupled", description="ppo/cispo: decoupled clips against the weights at the step's "
+        "start and weights a turn by min(pi/pi_behaviour, --behaviour-weight-cap), so turns "
+        "sampled by an older adapter keep their signal; coupled clips against the behaviour "
+        "log-probs (Tinker's ppo; a remote learner always does this)")
+    behaviour_weight_cap: float = Field(
+        5.0, gt=0, description="truncation of the behaviour importance weight (decoupled)")
     kl_coef: float = Field(
         0.0, ge=0, description="KL penalty to the base model (0: off; > 0 loads a reference "
         "copy)")

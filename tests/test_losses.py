@@ -115,6 +115,61 @@ def test_clipped_token_keeps_its_gradient_in_cispo_but_not_in_ppo():
     assert g_cispo == approx([-2.56])
 
 
+# ---- decoupled (off-policy) ----
+
+# The PPO cases above, read as turns sampled by an older adapter: the weights at the step's
+# start (prox = logp) are rho away from the behaviour policy. The ratio the clip sees is
+# exp(logp - prox) = 1, so no token is clipped; each is weighted by w = min(rho, cap).
+
+def test_decoupled_ppo_keeps_the_stale_tokens_that_coupled_ppo_clips():
+    logp = arr(tokens(PPO_RHO, PPO_OLD))
+    loss, grad = value_and_grad(losses.decoupled_ppo, logp, arr(PPO_OLD), arr(PPO_ADV),
+                                arr([1.0] * 5), weight_cap=2.0)
+    w = [min(r, 2.0) for r in PPO_RHO]
+    assert loss == pytest.approx(-sum(wi * a for wi, a in zip(w, PPO_ADV)), abs=TOL)
+    assert grad == approx([-wi * a for wi, a in zip(w, PPO_ADV)])  # d(-w r A)/dlogp at r = 1
+    _, coupled = value_and_grad(losses.ppo, logp, arr(PPO_OLD), arr(PPO_ADV), arr([1.0] * 5))
+    assert coupled[0] == 0.0 and coupled[1] == 0.0  # what coupled ppo threw away
+
+
+def test_decoupled_weight_is_truncated_at_the_cap():
+    old, adv, mask = arr([-3.0, -1.0]), arr([1.0, 1.0]), arr([1.0, 1.0])
+    logp = arr([-3.0 + math.log(10.0), -1.0 + math.log(0.1)])  # w = 10 -> cap, 0.1
+    _, grad = value_and_grad(losses.decoupled_ppo, logp, old, adv, mask, weight_cap=1.5)
+    assert grad == approx([-1.5, -0.1])
+
+
+def test_decoupled_on_policy_is_coupled_ppo():
+    # behaviour = the step's weights (on-policy): the same loss value and gradient as ppo.
+    lp = arr([-0.4, -2.2, -1.1])
+    adv, mask = arr([0.5, -2.0, 1.0]), arr([1.0, 1.0, 0.0])
+    for coupled, decoupled in ((losses.ppo, losses.decoupled_ppo),
+                               (losses.cispo, losses.decoupled_cispo)):
+        a = value_and_grad(coupled, lp, lp, adv, mask)
+        b = value_and_grad(decoupled, lp, lp, adv, mask)
+        assert a[0] == pytest.approx(b[0], abs=TOL) and b[1] == approx(a[1])
+
+
+def test_decoupled_with_a_fixed_proximal_clips_against_it():
+    # a later epoch: prox is the first epoch's log-probs, logp has moved 1.5x above it on a
+    # good token: clipped (no gradient) whatever the behaviour weight.
+    old, adv, mask = arr([-2.0]), arr([2.0]), arr([1.0])
+    prox = arr([-1.0])
+    logp = arr([-1.0 + math.log(1.5)])
+    _, grad = value_and_grad(losses.decoupled_ppo, logp, old, adv, mask, prox=prox)
+    assert grad == [0.0]
+    _, grad = value_and_grad(losses.decoupled_ppo, arr([-1.0 + math.log(1.1)]), old, adv,
+                             mask, prox=prox, weight_cap=2.0)
+    assert grad == approx([-2.0 * 1.1 * 2.0])  # w = min(e^1, 2) = 2, r = 1.1, A = 2
+
+
+def test_the_trainer_loss_is_decoupled_only_where_a_ratio_is_clipped():
+    assert losses.trainer_loss("ppo", "decoupled") is losses.decoupled_ppo
+    assert losses.trainer_loss("cispo", "decoupled") is losses.decoupled_cispo
+    assert losses.trainer_loss("ppo", "coupled") is losses.ppo
+    assert losses.trainer_loss("dro", "decoupled") is losses.dro
+
+
 # ---- dro ----
 
 

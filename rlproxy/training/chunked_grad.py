@@ -199,13 +199,15 @@ def example_grad(model: nn.Module, ex: dict, loss_fn: Callable, normaliser: int,
     ids = ex["ids"]
     inputs, targets = mx.array(ids[:-1])[None], mx.array(ids[1:])[None]
     old, adv, mask = (mx.array(ex[k])[None] for k in ("old", "adv", "mask"))
+    prox = mx.array(ex["prox"])[None] if ex.get("prox") is not None else None  # epochs > 1
     ref = None
     if ref_model is not None and kl_coef > 0:
         ref = chunked_logprobs(ref_model, inputs, targets, ex["mask"], chunk, between)
 
     def chunk_loss(logp, a, b, logits):
         m = mask[:, a:b]
-        loss = loss_fn(logp, old[:, a:b], adv[:, a:b], m, **loss_kw)
+        kw = loss_kw if prox is None else {**loss_kw, "prox": prox[:, a:b]}
+        loss = loss_fn(logp, old[:, a:b], adv[:, a:b], m, **kw)
         kl = mx.array(0.0)
         if ref is not None:
             kl = losses.kl_penalty(logp, ref[:, a:b], m)

@@ -38,6 +38,13 @@ class LearnerUnavailable(RuntimeError):
     waits and is tried again, charging no turn (remote/learner.py raises it)."""
 
 
+class LearnerFailed(LearnerUnavailable):
+    """The learner answered this request with a failure of its own (it is up): tried again
+    like an outage, but after LEARNER_FAILED_TRIES in a row the batch is charged as a failed
+    step (split turn by turn, then quarantine), so one batch the learner cannot take never
+    holds training up for good."""
+
+
 class LearnerRefused(ValueError):
     """A learner elsewhere refused what was asked (a wrong key, an unknown base model, a run
     of another layout, a state it does not have): trying again will not help."""
@@ -89,7 +96,7 @@ class LocalLearner:
         self.optimizer = optim.AdamW(learning_rate=t.learning_rate, weight_decay=t.weight_decay)
         self.optimizer.init(model.trainable_parameters())
         mx.eval(self.optimizer.state)  # concrete now: the trainer thread must not build on it
-        self.loss_fn = losses.policy_loss(t.loss_fn)
+        self.loss_fn = losses.trainer_loss(t.loss_fn, t.off_policy)
         self.lr_scale = 1.0  # times the schedule's rate; each gate rollback multiplies it
         self.grads = None  # accumulated by forward_backward since the last optim_step
         self.shape = chunked_grad.model_shape(model)
@@ -115,13 +122,23 @@ class LocalLearner:
                 self.model, ex, self.loss_fn, n_tokens, chunk=t.train_chunk_tokens,
                 prompt_grad=t.prompt_grad, between=between, ref_model=self.ref_model,
                 kl_coef=t.kl_coef, entropy_coef=t.entropy_coef, eps_low=t.eps_low,
-                eps_high=t.eps_high, beta=t.dro_beta)
+                eps_high=t.eps_high, beta=t.dro_beta, weight_cap=t.behaviour_weight_cap)
             grads = g if grads is None else tree_map(mx.add, grads, g)
             total += loss
             kl_total += kl
             entropy += ent
         self.grads = grads if self.grads is None else tree_map(mx.add, self.grads, grads)
         return ForwardBackwardOutput(total, kl_total, entropy, n_tokens)
+
+    def proximal(self, examples: list[dict], between: Callable[[float], None]) -> None:
+        """Fix each example's proximal log-probs (`prox`) at the current weights, for decoupled
+        losses over several epochs (with one, prox is the step's own log-probs: free)."""
+        for ex in examples:
+            ids = ex["ids"]
+            lp = chunked_grad.chunked_logprobs(self.model, mx.array(ids[:-1])[None],
+                                               mx.array(ids[1:])[None], ex["mask"],
+                                               self.t.train_chunk_tokens, between)
+            ex["prox"] = lp[0].tolist()
 
     def learning_rate(self) -> float:
         """The rate of the next update: the schedule at the optimizer's update count."""

@@ -53,6 +53,7 @@ from rlproxy.training.examples import no_signal, pack, turn_example
 from rlproxy.training.gate import make_gate
 from rlproxy.training.items import item_choice, item_key, released_turns
 from rlproxy.training.journal import StepJournal, uids_of
+from rlproxy.training import losses
 from rlproxy.training.learner import LocalLearner, training_copy
 from rlproxy.training.pacing import Pacer
 
@@ -98,6 +99,10 @@ class Trainer(Control, RemoteSync):
         self.learner = learner or LocalLearner(settings, model, lora_config,
                                                self.data_dir / CHECKPOINTS, ref_model)
         self.remote = settings.remote.trainer == "tinker"
+        # what the step applies: a remote learner's ppo is Tinker's, clipped against the
+        # behaviour log-probs; the other losses have no clip to decouple (training/losses.py)
+        self.off_policy = ("decoupled" if t.off_policy == "decoupled" and not self.remote
+                           and t.loss_fn in losses.DECOUPLED else "coupled")
         self.unsynced: int | None = None  # remote: a version whose weights did not come back
         self.last_sync = 0.0  # remote: time.monotonic() of the last weights sync or try
         self.learner_failures = 0  # remote: batches in a row the learner could not take
@@ -111,6 +116,7 @@ class Trainer(Control, RemoteSync):
         self.queued: set[str] = set()  # submitted, not yet trained, skipped or quarantined
         self._latest: dict[str, dict] = {}  # key -> a feedback update that came while queued
         self._skipped: LRU = LRU(TRAINED_KEEP)  # skipped in this process: one line each
+        self._in_baseline: LRU = LRU(TRAINED_KEEP)  # rewards the running mean has taken
         self._lock = threading.Lock()  # submit (any thread) against _done / request_rollback
         self.error: str | None = None
         self.paused = False  # set from any thread; the loop waits in _control between batches
@@ -298,7 +304,9 @@ class Trainer(Control, RemoteSync):
                 lo = ex["mask"].index(1.0)
                 ex["adv"][lo:] = [a - self.settings.scoring.w_rl * self.baseline
                                   for a in ex["adv"][lo:]]
-            if not self.journal.tries(key):  # once per item, not per attempt
+            # once per item, not per attempt (a learner outage's retries are not charged)
+            if not self.journal.tries(key) and key not in self._in_baseline:
+                self._in_baseline.add(key)
                 self.baseline = (0.9 * self.baseline + 0.1 * scored["reward"]
                                  if self.baseline_n else scored["reward"])
                 self.baseline_n += 1
@@ -327,6 +335,8 @@ class Trainer(Control, RemoteSync):
         if reason is not None:
             self._skip_batch(examples, uids, reason)
             return out
+        if self.off_policy == "decoupled" and self.t.train_epochs > 1:
+            self.learner.proximal(examples, self.pacer)  # the clip's anchor for every epoch
         for epoch in range(self.t.train_epochs):
             out.append(self.train_step(examples, epoch))
             if epoch == 0:  # trained now, whatever a later epoch does
@@ -382,7 +392,7 @@ class Trainer(Control, RemoteSync):
         line = {
             "kind": "step", "step": self.step, "adapter_version": self.version, "epoch": epoch,
             "loss": fb.loss, "kl": fb.kl / fb.tokens, "entropy": fb.entropy / fb.tokens,
-            "loss_fn": self.t.loss_fn, "reward_mean": mean,
+            "loss_fn": self.t.loss_fn, "off_policy": self.off_policy, "reward_mean": mean,
             "reward_std": (math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
                            if rewards else None),
             "turns": sum(len(e["uids"]) for e in examples), "sequences": len(examples),

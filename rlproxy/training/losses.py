@@ -17,6 +17,16 @@ change the gradient. With rho = exp(logp - old):
                        its logp gradient)
   dro                  -sum (logp * A - beta / 2 * (logp - old)^2)
   cross_entropy        -sum logp            (plain SFT on the completion; A is ignored)
+Off-policy turns (`--off-policy decoupled`, the default, for ppo and cispo; decoupled PPO,
+Hilton et al. 2021, as AReaL uses it for asynchronous RL): a turn sampled by an adapter some
+versions behind the one being trained has rho far from 1, and ppo's clip then drops its signal.
+Decoupled, the clip is taken against the proximal policy `prox` (the weights at the start of the
+step, no gradient) and the turn is weighted by the truncated behaviour weight
+w = min(exp(prox - old), cap):
+  ppo (decoupled)      -sum w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A),  r = exp(logp - prox)
+  cispo (decoupled)    -sum w * sg(clip(r, ...)) * A * logp
+With one optimizer step per batch prox is logp itself (r = 1 with the gradient of logp), so the
+step is w * A * grad(logp): on-policy (w = 1) the same step as coupled ppo.
   kl (penalty, added)  coef * sum (exp(ref - logp) - (ref - logp) - 1)   (k3 estimator, >= 0)
   entropy (bonus, subtracted)  coef * sum_t H_t,  H_t = -sum_v p_t(v) log p_t(v)
                        (p_t = softmax of the policy's logits at position t, temperature 1: the
@@ -72,6 +82,35 @@ def entropy(logits: mx.array, mask: mx.array) -> mx.array:
     """Summed entropy of the policy at masked positions. logits: (B, T, V), mask: (B, T)."""
     logp = log_softmax(logits)
     return (-(mx.exp(logp) * logp).sum(axis=-1) * mask).sum()
+
+
+def behaviour_weight(prox, old, mask, cap: float) -> mx.array:
+    """min(pi_prox / pi_behaviour, cap) per token, no gradient; 1 at masked positions."""
+    return mx.stop_gradient(mx.minimum(ratio(prox, old, mask), cap))
+
+
+def decoupled_ppo(logp, old, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28,
+                  weight_cap: float = 5.0, prox=None, **_):
+    prox = mx.stop_gradient(logp) if prox is None else prox  # one step per batch: prox = logp
+    w = behaviour_weight(prox, old, mask, weight_cap)  # w >= 0: min(w r A, w c A) = w min(..)
+    return ppo(logp, prox, w * adv, mask, eps_low, eps_high)
+
+
+def decoupled_cispo(logp, old, adv, mask, eps_low: float = 0.2, eps_high: float = 0.28,
+                    weight_cap: float = 5.0, prox=None, **_):
+    prox = mx.stop_gradient(logp) if prox is None else prox
+    w = behaviour_weight(prox, old, mask, weight_cap)
+    return cispo(logp, prox, w * adv, mask, eps_low, eps_high)
+
+
+def trainer_loss(name: str, off_policy: str):
+    """The local trainer's loss: NAME, decoupled from the behaviour policy where it clips."""
+    if off_policy == "decoupled" and name in DECOUPLED:
+        return {"ppo": decoupled_ppo, "cispo": decoupled_cispo}[name]
+    return policy_loss(name)
+
+
+DECOUPLED = ("ppo", "cispo")  # the losses that clip a ratio; the others are unchanged
 
 
 def policy_loss(name: str):
