@@ -72,3 +72,34 @@ def test_steps_record_staleness_and_max_staleness_skips_the_late(own, tmp_path):
     assert dict(zip(step["uids"], step["staleness"])) == {"fresh": 0, "near": 3}
     after = metrics.STALENESS.collect()[0]
     assert next(s.value for s in after.samples if s.name.endswith("_count")) == count + 2
+
+
+def test_several_epochs_clip_against_the_weights_before_the_first(own, tmp_path):
+    """Decoupled with --train-epochs 2: the proximal log-probs are the model's before the
+    first epoch, fixed for both (each epoch's own forward would make the clip never bind)."""
+    import mlx.core as mx
+
+    from rlproxy.training.chunked_grad import chunked_logprobs
+
+    trainer = Trainer(make_settings(tmp_path, train=True, batch_size=2, train_epochs=2,
+                                    baseline="none", save_interval=1000, learning_rate=1e-2),
+                      training_copy(own), own.lora_config, data_dir=tmp_path)
+    seen = []
+    real = trainer.learner.forward_backward
+
+    def forward_backward(examples, between):
+        seen.append([list(e["prox"]) for e in examples])
+        return real(examples, between)
+    trainer.learner.forward_backward = forward_backward
+    batch = [scored(own, "a", [0, 0, 0]), scored(own, "b", [0, 0])]
+    examples = [trainer._example(s) for s in batch]
+    before = [chunked_logprobs(trainer.learner.model, mx.array(e["ids"][:-1])[None],
+                               mx.array(e["ids"][1:])[None], e["mask"], 128)[0].tolist()
+              for e in examples]
+    lines = trainer.train_batch(batch)
+    assert [ln["epoch"] for ln in lines] == [0, 1]
+    assert {ln["off_policy"] for ln in lines} == {"decoupled"}
+    assert seen[0] == seen[1]  # the same anchor in both epochs
+    for got, want in zip(seen[0], before):
+        assert got == pytest.approx(want, abs=1e-5)
+    trainer.stop()
