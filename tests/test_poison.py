@@ -28,7 +28,9 @@ import requests
 from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import ModelSettings
 from rlproxy.training.items import released_turns
+from rlproxy.training import control
 from rlproxy.training.journal import JOURNAL
+from rlproxy.training.learner import LearnerFailed, LearnerUnavailable
 from rlproxy.training.loop import Trainer, training_copy
 from conftest import ServerThread, make_settings, read_records
 from serve_process import free_port, server_env, wait_healthy
@@ -359,6 +361,63 @@ def test_a_failed_checkpoint_save_is_not_charged_to_the_turns(own, tmp_path):
     assert not t.journal.quarantined and not t.journal.failures
     assert [(ln["kind"], ln.get("ok")) for ln in journal(tmp_path)] == [
         ("step_start", None), ("step_end", True)]
+    t.stop()
+
+
+def failing_learner(t: Trainer, error) -> None:
+    """The learner seam: a remote learner's step over any batch that holds a `poison` turn
+    fails with ERROR (what remote/service.py raises for such an answer); others train."""
+    real = t.learner.forward_backward
+
+    def forward_backward(examples, between):
+        if any(u.startswith("poison") for e in examples for u in e["uids"]):
+            raise error
+        return real(examples, between)
+    t.learner.forward_backward = forward_backward
+
+
+def test_a_batch_a_remote_learner_keeps_failing_on_is_charged_then_quarantined(
+        own, tmp_path, monkeypatch):
+    """A learner that answers one batch with a failure of its own (e.g. out of memory on a
+    datum) is retried like an outage, then the batch is charged: split turn by turn, the
+    innocent turn trains, the failing one is quarantined; training goes on."""
+    monkeypatch.setattr(control, "DISK_RETRY_S", 0.0)
+    t = offline_trainer(own, tmp_path, batch_size=2, save_interval=1000, baseline="none")
+    failing_learner(t, LearnerFailed("forward_backward: RequestFailedError: out of memory"))
+    batch = [make_scored(own, "poison-1", [5, 6, 7]), make_scored(own, "good", [8, 9])]
+    results = [t.train_or_wait_for_disk(batch) for _ in range(control.LEARNER_FAILED_TRIES)]
+    assert results == [False] * (control.LEARNER_FAILED_TRIES - 1) + [True]
+    assert steps_of(tmp_path) == [(1, ["good"])]
+    assert "poison-1" in t.journal.quarantined and t.learner_failures == 0
+    assert "out of memory" in str(t.journal.quarantined["poison-1"])
+    t.stop()
+
+
+def test_a_learner_that_is_down_never_charges_the_turns(own, tmp_path, monkeypatch):
+    """Retried as often as it takes, uncharged; when the learner is back the batch trains
+    whole, and the running reward baseline took each reward once (the default `mean`: taken at
+    every retry, it swallowed the batch's own signal and the batch was skipped)."""
+    monkeypatch.setattr(control, "DISK_RETRY_S", 0.0)
+    t = offline_trainer(own, tmp_path, batch_size=2, save_interval=1000)
+    down = {"poison": True}
+    real = t.learner.forward_backward
+
+    def forward_backward(examples, between):
+        if down["poison"]:
+            raise LearnerUnavailable("forward_backward: no answer in 10 s")
+        return real(examples, between)
+    t.learner.forward_backward = forward_backward
+    batch = [make_scored(own, "a", [5, 6, 7]), make_scored(own, "b", [8, 9])]
+    batch[1]["reward"] = -1.0
+    batch[1]["advantages"] = [-1.0] * 2
+    assert not any(t.train_or_wait_for_disk(batch) for _ in range(6))
+    assert not t.journal.quarantined and not t.journal.failures and not steps_of(tmp_path)
+    assert "waits for the learner (try 6" in t.error
+    assert t.baseline_n == 2
+    down["poison"] = False
+    assert t.train_or_wait_for_disk(batch)
+    assert steps_of(tmp_path) == [(1, ["a", "b"])] and t.error is None
+    assert t.baseline_n == 2
     t.stop()
 
 

@@ -88,6 +88,15 @@ def drive(server: Server, sessions: list[str], seed: int = 0) -> None:
         requests.post(f"{server.url}/v1/sessions/{sid}/end", timeout=30).raise_for_status()
 
 
+def greedy_logprobs(server: Server) -> np.ndarray:
+    """The served log-probs of one greedy reply, not recorded (opted out)."""
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    r = c.chat.completions.create(model="m", max_tokens=6, temperature=0, logprobs=True,
+                                  messages=[{"role": "user", "content": "the same probe"}],
+                                  extra_headers={"X-RL-Opt-Out": "1"})
+    return np.array([t.logprob for t in r.choices[0].logprobs.content])
+
+
 def handled(server: Server) -> int:
     t = server.health()["trainer"]
     return t["turns_trained"] + t["skipped"]
@@ -211,6 +220,15 @@ def test_learner_down_mid_training_serving_goes_on_and_nothing_is_lost(tmp_path)
                 lines = [json.loads(x) for x in (rep.data_dir / "training.jsonl").read_text()
                          .splitlines()]
                 assert len([ln for ln in lines if ln["kind"] == "train_again"]) == 2
+
+                # the replica restarts while the learner is down: it serves its last
+                # checkpoint's adapter (the run's weights), not the base model
+                served = greedy_logprobs(rep)
+                rep.stop()
+                lrn3.stop(signal.SIGKILL)
+                rep = Server(rep.data_dir, *replica_flags(lrn, "outage"), port=rep.port).wait()
+                assert np.abs(greedy_logprobs(rep) - served).max() < 1e-4
+                assert rep.health()["trainer"]["sync_error"] or rep.health()["trainer"]["error"]
             finally:
                 lrn3.stop()
         finally:

@@ -300,6 +300,8 @@ def test_learner_away_and_back(learner, replica):
     with pytest.raises(openai.APIStatusError) as e:  # refused at once while it is away
         c.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=4)
     assert e.value.status_code == 503 and time.monotonic() - tic < 1.0
+    assert e.value.response.headers["Retry-After"] and "Tinker service" in str(e.value)
+    assert e.value.body["code"] == "sampler_unavailable"
 
     learner.start()  # the same port, a fresh process: every session it had is gone
     deadline = time.monotonic() + 30

@@ -75,6 +75,7 @@ async def serve_adapter(request: web.Request) -> web.Response:
                            type="server_error")
         # loaded where training is on
         from rlproxy.training.control import CheckpointGone, RollbackSuperseded
+        from rlproxy.training.learner import LearnerUnavailable
 
         step = step_of(request.match_info["step"])
         try:  # the trainer finds and pins it again: no save prunes it before the load
@@ -86,6 +87,10 @@ async def serve_adapter(request: web.Request) -> web.Response:
                            code="rollback_superseded") from None
         except APIError:
             raise
+        except LearnerUnavailable as e:  # --trainer tinker: the learner is away, not the file
+            raise APIError(503, f"the rollback needs the learner, which did not answer: {e}; "
+                           "nothing changed, try again", type="server_error",
+                           code="learner_unavailable", headers={"Retry-After": "5"}) from None
         except Exception as e:  # e.g. a checkpoint of another LoRA layout: nothing changed
             raise unusable(path, e) from None
     else:

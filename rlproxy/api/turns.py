@@ -223,6 +223,9 @@ async def make_call(request: web.Request, req: ChatRequest, tags: TurnTags, api:
     """Template the prompt, check the token budget, resolve the session: a Call to run."""
     app = request.app
     settings, model, engine, store = app[SETTINGS], app[MODEL], app[ENGINE], app[SESSIONS]
+    if engine.alive and engine.error is not None and engine.health().get("service_error"):
+        raise APIError(503, f"refused at once: {engine.error}", type="server_error",
+                       code="sampler_unavailable", headers={"Retry-After": "5"})  # comes back
     if engine.error is not None or not engine.alive:
         raise APIError(503, f"the engine is not running: {engine.error}", type="server_error")
     loop = asyncio.get_running_loop()

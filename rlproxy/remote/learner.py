@@ -104,6 +104,14 @@ class RemoteLearner:
 
     def _join(self, timeout: float):
         service = service_client(self.r)
+        try:
+            return self._join_with(service, timeout)
+        except BaseException:  # its session's heartbeats would hold a handle on the learner
+            threading.Thread(target=lambda: _finish(service, "errored"), daemon=True,
+                             name="rlproxy-tinker-close").start()
+            raise
+
+    def _join_with(self, service, timeout: float):
         # the SDK makes its session here, synchronously: under the deadline too
         rest = call(lambda: rest_client(self.r), timeout, "connect")
         caps = resolve(rest.get_server_capabilities(), timeout, "server capabilities")

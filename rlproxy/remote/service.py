@@ -10,6 +10,9 @@ network. Failures come out as one of two errors:
                       a start-up error.
   LearnerUnavailable  the service is down, slow or failing on its side. The batch waits and is
                       tried again with backoff; serving goes on.
+  LearnerFailed       (a LearnerUnavailable) it answered this request with a failure of its
+                      own (a server-side error, a 500): retried as above, then charged to the
+                      batch's turns (training/control.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import uuid
 from pathlib import Path
 
 from rlproxy.settings import RemoteSettings
-from rlproxy.training.learner import LearnerRefused, LearnerUnavailable  # the loop's errors
+from rlproxy.training.learner import (  # the loop's errors
+    LearnerFailed, LearnerRefused, LearnerUnavailable)
 
 log = logging.getLogger("rlproxy.remote")
 REPLICA = "remote.json"  # under the data dir: this replica's id and default run name
@@ -54,6 +58,14 @@ def refusal(e: BaseException) -> str | None:
     return None
 
 
+def failed_here(e: BaseException) -> bool:
+    """The service ran the request and it failed there (not: unreachable, slow, a proxy's
+    502/503/504 for a learner that is down)."""
+    tinker = sdk()
+    return (isinstance(e, tinker.RequestFailedError)
+            or (isinstance(e, tinker.APIStatusError) and e.status_code == 500))
+
+
 def call(fn, timeout: float, what: str):
     """fn() on a daemon thread of its own, within TIMEOUT seconds; LearnerRefused or
     LearnerUnavailable. A daemon: a call the SDK keeps retrying for minutes never holds up
@@ -76,6 +88,8 @@ def call(fn, timeout: float, what: str):
         said = refusal(e)
         if said is not None:
             raise LearnerRefused(f"{what}: {said}") from None
+        if failed_here(e):
+            raise LearnerFailed(f"{what}: {type(e).__name__}: {str(e)[:500]}") from None
         raise LearnerUnavailable(f"{what}: {type(e).__name__}: {str(e)[:500]}") from None
 
 

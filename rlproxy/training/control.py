@@ -42,11 +42,13 @@ from rlproxy.training.checkpoints import UNREADABLE, prune_checkpoints
 from rlproxy.training.gate import Verdict
 from rlproxy.training.items import item_choice, item_key
 from rlproxy.training.journal import SYSTEMIC_TURNS, lost_steps, outside_vocab, turn_length
-from rlproxy.training.learner import LayoutMismatch, LearnerRefused, LearnerUnavailable
+from rlproxy.training.learner import (LayoutMismatch, LearnerFailed, LearnerRefused,
+                                      LearnerUnavailable)
 
 log = logging.getLogger("rlproxy.trainer")
 DISK_RETRY_S = 5.0  # a batch whose journal lines a full disk refused is tried again after it
 LEARNER_RETRY_MAX_S = 60.0  # a learner elsewhere that is down: retries back off 5, 10 ... 60 s
+LEARNER_FAILED_TRIES = 3  # a batch the learner answers with a failure this often is charged
 
 
 def version_of_step(data_dir: Path, step: int) -> int:
@@ -110,7 +112,9 @@ class Control:
                 self.stats.errors_after_update += 1
                 self.error = f"after step {self.step}: {error}"
                 return lines
-            if isinstance(e, (WriteFailed, LearnerUnavailable)):  # not the turns' fault
+            gave_up = (isinstance(e, LearnerFailed)  # the learner fails on this batch
+                       and self.learner_failures + 1 >= LEARNER_FAILED_TRIES)
+            if isinstance(e, (WriteFailed, LearnerUnavailable)) and not gave_up:  # not theirs
                 journal.end(*journal.open, error, charge=False)  # (a full disk: it waits)
                 raise  # the loop waits for space or the learner (train_or_wait_for_disk)
             log.exception("training step over turns %s failed", ", ".join(uids))
@@ -168,11 +172,14 @@ class Control:
 
     def evaluate_or_wait(self) -> None:
         """`evaluate`; a learner elsewhere that cannot answer (its weights, a rollback to the
-        good state) is waited for with backoff, the evaluation tried again."""
-        tries = 0
+        good state) is waited for with backoff, and the verdict applied again (the candidate
+        is not evaluated twice: one `eval` line, one count towards the rollbacks in a row)."""
+        tries, verdict = 0, None
         while self._running:
             try:
-                self.evaluate()
+                if verdict is None:
+                    verdict = self.judge()
+                self.apply_verdict(verdict)
                 return
             except LearnerRefused as e:  # e.g. no good state on the learner to go back to
                 self.paused = True
@@ -192,9 +199,19 @@ class Control:
     def evaluate(self) -> dict:
         """Run the eval gate on the candidate and apply its verdict: publish it, or roll back
         to the good state. The `eval` line."""
+        verdict = self.judge()
+        self.apply_verdict(verdict)
+        return verdict.line
+
+    def judge(self) -> Verdict:
+        """The eval gate's verdict on the candidate, its `eval` line written."""
         verdict = self.gate.check(self.step, self.version)
         self.stats.evals += 1
         self.writer.write(verdict.line)
+        return verdict
+
+    def apply_verdict(self, verdict: Verdict) -> None:
+        """Publish the candidate, or roll back to the good state."""
         if verdict.passed:
             self.publish(self.version)
             self.good_path = self.try_save()
@@ -202,7 +219,6 @@ class Control:
                      verdict.line["candidate"]["reward"])
         else:
             self._gate_rollback(verdict)
-        return verdict.line
 
     def _gate_rollback(self, verdict: Verdict) -> None:
         """Restore the good state, lower the learning rate, write the `rollback` line; pause
@@ -371,6 +387,10 @@ class Control:
         # a gate rollback's checkpoint holds the served adapter under a newer step's version
         served = state.get("served_version", self.version)
         self.publish(served)
+        if self.remote and self.unsynced is not None and self.engine is not None:
+            # the learner is away: this checkpoint's adapter is served until the run's
+            # weights come back (`sync_if_due` retries them), never the bare base model
+            self.engine.publish_adapter(self.learner.weights, served)
         if problems:
             log.warning("checkpoint %s: %s; resumed from its weights with a fresh optimizer "
                         "(its moments and update count start over)", path, "; ".join(problems))

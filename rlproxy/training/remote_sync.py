@@ -77,8 +77,9 @@ class RemoteSync:
 
     def sync_now(self) -> None:
         """At start-up: bring back the run's weights now (a new version if they differ from
-        what the engine serves)."""
-        self.unsynced, self.last_sync = None, float("-inf")
+        what the engine serves). A resumed version that could not be brought back stays
+        `unsynced`, and is retried until the learner answers."""
+        self.last_sync = float("-inf")
         self.sync_if_due()
 
     def train_again(self, saved: int, last: int) -> None:
