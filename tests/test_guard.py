@@ -304,15 +304,19 @@ def test_a_degenerate_reward_is_refused_rolled_back_and_training_pauses(own, tmp
     assert collapsed < before - 0.5, (before, collapsed)
 
 
-def test_honest_learning_passes_the_gate_and_the_reward_rises(own, tmp_path):
+@pytest.mark.slow
+def test_honest_learning_passes_a_lagging_gate_and_the_reward_rises(own, tmp_path):
     """The test_trainer learning run (one prompt, batches of 16, 30 PPO steps) with the gate
-    on, every 2 steps, the probes scored by the same verifiable reward: the gate publishes and
-    the reward on fresh samples rises as without it. Welch's t > 5, as there. (The turns are
-    sampled by the served adapter, up to eval_every steps behind the candidate: with
-    eval_every 5 coupled PPO's clipping dropped most of the signal; see
-    test_a_lagging_gate_learns_with_decoupled_ppo.)"""
+    on every 5 steps, the probes scored by the same verifiable reward: the gate publishes, and
+    the reward on fresh samples rises. The turns are sampled by the served adapter, up to 5
+    versions behind the candidate: coupled PPO's clip dropped most of their signal (+0.12 here
+    with off_policy="coupled"); decoupled PPO, the default, keeps it. bench/lagging_gate.py,
+    3 seeds: the gain with the gate every 5 steps is 0.92x that of every step decoupled, 0.09x
+    coupled. Decoupled learning reaches this reward's repetitive optimum within 30 steps, so
+    the candidates refused are refused only as degenerate (repeat rate > 0.5), never for a
+    reward that fell."""
     engine, trainer, prompts = make(tmp_path, own, learning_rate=5e-4, batch_size=16,
-                                    eval_every=2, eval_probes=8, eval_max_tokens=16,
+                                    eval_every=5, eval_probes=8, eval_max_tokens=16,
                                     eval_tolerance=0.15,
                                     eval_reward_functions=["test_guard:byte_reward"])
     prompts = prompts[:1]
@@ -324,50 +328,16 @@ def test_honest_learning_passes_the_gate_and_the_reward_rises(own, tmp_path):
     finally:
         trainer.stop()
         engine.stop()
-    # Decoupled PPO (the default) climbs this reward fast enough to reach its repetitive
-    # optimum within 30 steps: the candidates refused are refused only as degenerate (repeat
-    # rate > 0.5 where the served adapter sits near 0.45), never for a reward that fell (+1.16
-    # here). Coupled PPO, which clips the turns one version behind, passed 12 or more of 15.
-    assert len(evals) == 15 and sum(ln["passed"] for ln in evals) >= 4, evals
+    steps = [ln for ln in read_records(tmp_path, "training.jsonl") if ln["kind"] == "step"]
+    assert steps and {ln["off_policy"] for ln in steps} == {"decoupled"}
+    assert len(evals) == 6 and sum(ln["passed"] for ln in evals) >= 1, evals  # 2 here
     assert all(ln["passed"] or ln["refused"].startswith("degenerate:") for ln in evals), evals
     assert engine.adapter_version == max(ln["candidate_version"] for ln in evals if ln["passed"])
     mb, ma = statistics.mean(before), statistics.mean(after)
     se = math.sqrt(statistics.variance(before) / 64 + statistics.variance(after) / 64)
     print(f"\nfresh reward {mb:+.3f} -> {ma:+.3f} (t = {(ma - mb) / se:.1f}); "
           f"{sum(ln['passed'] for ln in evals)} of {len(evals)} evaluations published")
-    assert ma - mb > 0.3 and (ma - mb) / se > 5, (mb, ma)
-
-
-def lagging_gain(tmp_path, off_policy: str) -> float:
-    """The honest-learning run above with the gate every 5 steps; the fresh reward's gain."""
-    engine, trainer, prompts = make(tmp_path, seeded_model(), learning_rate=5e-4,
-                                    batch_size=16, eval_every=5, eval_probes=8,
-                                    eval_max_tokens=16, eval_tolerance=0.15,
-                                    off_policy=off_policy,
-                                    eval_reward_functions=["test_guard:byte_reward"])
-    prompts = prompts[:1]
-    try:
-        before = fresh_reward(engine, prompts, byte_reward, 10**6, 64)
-        for r in range(30):
-            round_of(trainer, engine, prompts, byte_reward, r)
-        after = fresh_reward(engine, prompts, byte_reward, 2 * 10**6, 64)
-    finally:
-        trainer.stop()
-        engine.stop()
-    lines = read_records(tmp_path, "training.jsonl")
-    assert {ln["off_policy"] for ln in lines if ln["kind"] == "step"} == {off_policy}
-    return statistics.mean(after) - statistics.mean(before)
-
-
-@pytest.mark.slow
-def test_a_lagging_gate_learns_with_decoupled_ppo(tmp_path):
-    """With --eval-every 5 turns are sampled by the served adapter, up to 5 versions behind
-    the candidate. Coupled PPO's clip drops most of their signal (+0.12 here, measured with
-    off_policy="coupled"); decoupled PPO, the default, keeps it (+0.59). bench/lagging_gate.py,
-    3 seeds: the lagging gate's gain is 0.92x eval_every 1's decoupled, 0.09x coupled."""
-    gain = lagging_gain(tmp_path, "decoupled")
-    print(f"\nfresh reward gain with the gate every 5 steps, decoupled: {gain:+.3f}")
-    assert gain > 0.35, gain  # coupled: +0.12
+    assert ma - mb > 0.35 and (ma - mb) / se > 5, (mb, ma)  # coupled: +0.12
 
 
 def test_an_evaluation_does_not_hold_a_request_arriving_during_it(own, tmp_path):
