@@ -91,16 +91,6 @@ class ServerThread(AppThread):
                                   max_retries=0, timeout=120, **kw)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Files with the most slow tests first: with `--dist loadfile` each worker takes whole
-    files in this order, and a long file taken last would run alone at the end."""
-    weight: dict[Path, int] = {}
-    for item in items:
-        slow = item.get_closest_marker("slow") or item.get_closest_marker("real_model")
-        weight[item.path] = weight.get(item.path, 0) + (1 if slow else 0)
-    items.sort(key=lambda item: -weight[item.path])  # stable: a file's tests keep their order
-
-
 def make_settings(tmp_path: Path, **flags):
     # Short judge answers: the tiny model's votes are noise anyway, and tests stay fast.
     # No training unless a test asks: others compare against the unchanged adapter.

@@ -212,8 +212,8 @@ class Control:
 
     def apply_verdict(self, verdict: Verdict) -> None:
         """Publish the candidate, or roll back to the good state."""
-        if verdict.passed:
-            self.publish(self.version)
+        if verdict.passed:  # what was measured: a shared run may have moved on since
+            self.publish(self.version, verdict.candidate)
             self.good_path = self.try_save()
             log.info("eval gate: adapter v%d published (probe reward %s)", self.version,
                      verdict.line["candidate"]["reward"])

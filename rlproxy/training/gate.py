@@ -167,6 +167,7 @@ class Verdict:
     """What an evaluation decided; the trainer applies it (training/loop.py)."""
 
     line: dict  # the `eval` line
+    candidate: dict | None = None  # passed: the weights measured, the ones to publish
     good: dict | None = None  # refused: the state to restore (the served adapter's)
     lr_factor: float = 1.0  # refused: the learning-rate scale is multiplied by it
     in_a_row: int = 0  # refused: rollbacks since the last publish, this one included
@@ -292,12 +293,14 @@ class EvalGate:
         positions = max(1, sum(len(s) for s in samples))
         cand = {**self.figures(probes, samples),
                 **{k: round(v / positions, 6) for k, v in kl.items()}}
+        self.measured = candidate
         return {"probes": len(probes), "positions": positions, "candidate": cand,
                 "served": served, "refused": refusal(cand, served, self.t) if probes else None,
                 "eval_s": round(time.perf_counter() - tic, 3), **self.pace.units}
 
     def check(self, step: int, version: int) -> Verdict:
         """Evaluate candidate VERSION (trained up to STEP): publish it, or roll back."""
+        self.measured = None
         try:
             result = self.evaluate()
         except LearnerUnavailable:  # a learner elsewhere is down: no verdict, tried again
@@ -310,11 +313,11 @@ class EvalGate:
                 "served_version": self.served_version, "passed": result["refused"] is None,
                 **result, "kl_on": "the candidate's probe samples", "time": time.time()}
         if line["passed"]:  # published: `published` makes this state the good one
-            return Verdict(line)
+            return Verdict(line, candidate=self.measured)
         self.in_a_row += 1
         self.since = 0
-        return Verdict(line, self.good, self.t.rollback_lr_factor, self.in_a_row,
-                       pause=self.in_a_row >= self.t.max_rollbacks)
+        return Verdict(line, good=self.good, lr_factor=self.t.rollback_lr_factor,
+                       in_a_row=self.in_a_row, pause=self.in_a_row >= self.t.max_rollbacks)
 
 
 def make_gate(settings: Settings, learner, pace: Pacer, version: int, good: dict,

@@ -416,15 +416,16 @@ class Trainer(Control, RemoteSync):
             self.try_save()
         return line
 
-    def publish(self, version: int) -> None:
-        """Hand the engine the learner's adapter as VERSION (the arrays are evaluated). A
-        remote learner's that cannot be brought back now is tried again when the trainer is
-        idle (`sync_if_due`); serving goes on with the last good adapter meanwhile."""
-        if self.remote:
+    def publish(self, version: int, weights: dict | None = None) -> None:
+        """Hand the engine the learner's adapter (or WEIGHTS, the ones the eval gate measured)
+        as VERSION (the arrays are evaluated). A remote learner's that cannot be brought back
+        now is tried again when the trainer is idle (`sync_if_due`); serving goes on with the
+        last good adapter meanwhile."""
+        if weights is None and self.remote:
             weights = self.fetch_for_publish(version)
             if weights is None:  # not brought back (retried), or --sampler tinker's path
                 return
-        else:
+        elif weights is None:
             weights = self.learner.save_weights_for_sampler()
         if self.engine is not None:
             self.engine.publish_adapter(weights, version)
