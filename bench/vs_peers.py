@@ -1,0 +1,203 @@
+"""rlproxy against other MLX servers, same model directory, same BLAS, alternating, one run.
+
+Servers: rlproxy (`serve --no-train --no-judge`, its prefix cache on, as shipped),
+`mlx_lm.server`, and where they are installed `vllm-mlx serve --continuous-batching` and
+`mlx-openai-server launch`. Every server gets OpenBLAS: rlproxy preloads it, the peers through
+LD_PRELOAD of the same library, so the figures compare servers, not BLAS builds.
+
+Shapes: unique prompts (a distinct opening per request: no prompt cache can answer) and a
+repeated prompt (the same text each time: fully cached after the first), of `--prompt-tokens`
+tokens each (400 and 2,000), alone and `--concurrency` at once (1, 8, 16). Each request is a
+streamed greedy chat completion of `--max-tokens` tokens; TTFT is the time to the first content
+delta, tokens/s the round's completion tokens (usage, else deltas) over its wall time. For each
+shape the servers take turns, `--rounds` times. It prints rlproxy / peer ratios (tokens/s above
+1: rlproxy faster; TTFT below 1: rlproxy sooner) and writes JSON.
+
+The peers install into a venv of their own beside this environment (they pin other mlx-lm
+versions; their plain dependencies suffice):
+    python3 -m venv --system-site-packages .peers
+    .peers/bin/pip install --no-deps vllm-mlx==0.6.0 mlx-openai-server==1.8.1
+    .peers/bin/pip install fastapi 'uvicorn<0.40' psutil tabulate jsonschema pytz loguru \\
+        click json_repair 'xxhash<4' aiofiles python-multipart openai-harmony
+
+    python bench/vs_peers.py [--peers-bin .peers/bin] [--model smollm2-135m-instruct]
+        [--prompt-tokens 400 2000] [--concurrency 1 8 16] [--max-tokens 128] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import requests
+
+from vs_mlx_lm import free_port, start, wait_ready  # noqa: I001  (bench/ is the script's dir)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import rlproxy  # noqa: E402,F401  (preloads OpenBLAS)
+from rlproxy.serving.blas import blas_in_use  # noqa: E402
+from rlproxy.serving.model import resolve_source  # noqa: E402
+
+FILLER = ("The committee reviewed the quarterly figures for the northern warehouse, noting "
+          "that shipments of copper fittings rose while orders for timber fell. ")
+
+
+def commands(bin_dir: Path, model_dir: str, ports: dict, data: Path) -> dict[str, list[str]]:
+    """The servers to run: rlproxy and mlx_lm.server always, the others where installed."""
+    out = {"rlproxy": [sys.executable, "-m", "rlproxy.cli", "serve", "--model", model_dir,
+                       "--port", str(ports["rlproxy"]), "--no-train", "--no-judge",
+                       "--data-dir", str(data), "--log-level", "WARNING"],
+           "mlx_lm": [sys.executable, "-m", "mlx_lm.server", "--model", model_dir,
+                      "--port", str(ports["mlx_lm"]), "--log-level", "WARNING"]}
+    if (bin_dir / "vllm-mlx").exists():
+        out["vllm_mlx"] = [str(bin_dir / "vllm-mlx"), "serve", model_dir, "--port",
+                           str(ports["vllm_mlx"]), "--continuous-batching"]
+    if (bin_dir / "mlx-openai-server").exists():
+        out["mlx_openai"] = [str(bin_dir / "mlx-openai-server"), "launch", "--model-path",
+                             model_dir, "--model-type", "lm", "--port", str(ports["mlx_openai"])]
+    return out
+
+
+def prompt_text(tokenizer, tokens: int, opening: str) -> str:
+    """OPENING, then filler cut to about TOKENS tokens in all (chat template included)."""
+    ids = tokenizer.encode(FILLER * (tokens // 10 + 10))[: max(1, tokens - 40)]
+    return f"{opening}\n{tokenizer.decode(ids)}\nSummarise the above in detail."
+
+
+def stream(url: str, model: str, text: str, max_tokens: int) -> dict:
+    """One streamed greedy chat completion: TTFT, completion tokens, seconds."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": text}]}
+    tic = time.perf_counter()
+    ttft, deltas, usage = None, 0, None
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"].get("completion_tokens")
+            for choice in chunk.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    deltas += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - tic
+    return {"ttft_s": ttft, "tokens": usage or deltas, "s": time.perf_counter() - tic}
+
+
+def round_of(url: str, model: str, texts: list[str], max_tokens: int) -> dict:
+    results: list[dict] = [{}] * len(texts)
+
+    def one(i: int) -> None:
+        results[i] = stream(url, model, texts[i], max_tokens)
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    return {"wall_s": wall, "tok_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_s": statistics.median(r["ttft_s"] for r in results if r["ttft_s"]),
+            "requests": results}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--peers-bin", type=Path, default=Path(".peers/bin"))
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[400, 2000])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", nargs="+", help="run only these servers (rlproxy always)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/vs_peers.json"))
+    a = p.parse_args()
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_source(a.model, "auto").path
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    blas = blas_in_use()
+    if not blas.startswith("openblas"):
+        raise SystemExit(f"OpenBLAS is not loaded ({blas}): install libopenblas0-pthread")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLPROXY_")}
+    env["LD_PRELOAD"] = blas.split("(", 1)[1].rstrip(")")  # the peers' BLAS: the same library
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    ports = {n: free_port() for n in ("rlproxy", "mlx_lm", "vllm_mlx", "mlx_openai")}
+    wanted = commands(a.peers_bin, model_dir, ports, a.out.parent / "vs_peers_data")
+    if a.only:
+        wanted = {n: c for n, c in wanted.items() if n == "rlproxy" or n in a.only}
+    logs = {n: a.out.parent / f"vs_peers_{n}.log" for n in wanted}
+    procs = {n: start(c, env, logs[n]) for n, c in wanted.items()}
+    urls = {n: f"http://127.0.0.1:{ports[n]}" for n in procs}
+    result = {"model": a.model, "dir": model_dir, "blas": blas, "max_tokens": a.max_tokens,
+              "servers": {n: " ".join(c) for n, c in wanted.items()},
+              "load_before": os.getloadavg()[0], "shapes": []}
+    try:
+        for n in procs:
+            wait_ready(urls[n], procs[n], logs[n])
+            stream(urls[n], model_dir, "warm up", 8)  # first-call compilation and allocation
+        for tokens in a.prompt_tokens:
+            repeated = prompt_text(tokenizer, tokens, "A fixed report.")
+            for n in procs:  # the repeated prompt, cached once per server before it counts
+                stream(urls[n], model_dir, repeated, 4)
+            for kind in ("unique", "repeated"):
+                for c in a.concurrency:
+                    shape = {"prompt_tokens": tokens, "kind": kind, "concurrency": c,
+                             "rounds": {n: [] for n in procs}}
+                    for _ in range(a.rounds):  # alternate: load on the machine hits all alike
+                        for n in procs:
+                            texts = [repeated if kind == "repeated" else
+                                     prompt_text(tokenizer, tokens, f"Report {uuid.uuid4()}.")
+                                     for _ in range(c)]
+                            shape["rounds"][n].append(round_of(urls[n], model_dir, texts,
+                                                               a.max_tokens))
+                    summarise(shape)
+                    result["shapes"].append(shape)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001
+                proc.kill()
+    result["load_after"] = os.getloadavg()[0]
+    print(f"model dir {model_dir}; BLAS {blas} (peers: LD_PRELOAD); load "
+          f"{result['load_before']:.1f} -> {result['load_after']:.1f}")
+    a.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {a.out}")
+
+
+def summarise(shape: dict) -> None:
+    """Per server: tokens/s (sum over rounds) and median TTFT; ratios against rlproxy; printed."""
+    figures = {}
+    for n, rounds in shape["rounds"].items():
+        tok_s = sum(sum(r["tokens"] for r in x["requests"]) for x in rounds) / sum(
+            x["wall_s"] for x in rounds)
+        figures[n] = {"tok_s": tok_s, "ttft_s": statistics.median(x["ttft_s"] for x in rounds)}
+    mine = figures["rlproxy"]
+    for n, f in figures.items():
+        f["tok_s_ratio"] = mine["tok_s"] / f["tok_s"] if f["tok_s"] else None
+        f["ttft_ratio"] = mine["ttft_s"] / f["ttft_s"] if f["ttft_s"] else None
+    shape["figures"] = figures
+    head = f"{shape['prompt_tokens']:5d} tok {shape['kind']:8s} x{shape['concurrency']:<3d}"
+    parts = [f"rlproxy {mine['tok_s']:6.1f} tok/s ttft {mine['ttft_s'] * 1000:6.0f} ms"]
+    for n, f in figures.items():
+        if n != "rlproxy":
+            parts.append(f"{n} {f['tok_s']:6.1f} tok/s ({f['tok_s_ratio']:.2f}x) ttft "
+                         f"{f['ttft_s'] * 1000:6.0f} ms ({f['ttft_ratio']:.2f}x)")
+    print(head + " | " + " | ".join(parts), flush=True)
+
+
+if __name__ == "__main__":
+    main()
