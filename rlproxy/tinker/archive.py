@@ -45,17 +45,25 @@ async def list_checkpoints(request):
     return json_response({"checkpoints": out})
 
 
+def saved_folder(request, kind: str | None = None):
+    """(the checkpoint folder the route names, None), or (None, its 400 or 404 answer)."""
+    run, kind = request.match_info["run"], kind or request.match_info["kind"]
+    try:
+        path = checkpoint_dir(state(request), run, kind, request.match_info["name"])
+    except UserError as e:
+        return None, json_response({"error": str(e), "category": "user"}, status=400)
+    if not path.is_dir():
+        return None, json_response({"error": f"no {kind} {path.name!r} in run {run!r}",
+                                    "category": "user"}, status=404)
+    return path, None
+
+
 async def delete_checkpoint(request):
     """DELETE training_runs/{run}/checkpoints/{kind}/{name}: the saved folder, gone (RestClient.
     delete_checkpoint). 404 when there is none."""
-    st = state(request)
-    try:
-        path = checkpoint_dir(st, request.match_info["run"], request.match_info["kind"],
-                              request.match_info["name"])
-    except UserError as e:
-        return json_response({"error": str(e), "category": "user"}, status=400)
-    if not path.is_dir():
-        return json_response({"error": "no such checkpoint", "category": "user"}, status=404)
+    path, error = saved_folder(request)
+    if error is not None:
+        return error
     trash = path.with_name(f".deleted-{path.name}-{uuid.uuid4().hex[:8]}")
     path.rename(trash)  # out of every listing at once; the bytes go in the executor
     await asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, trash, True)
@@ -64,14 +72,9 @@ async def delete_checkpoint(request):
 
 async def download_checkpoint(request):
     """GET training_runs/{run}/checkpoints/{kind}/{name}/archive: the directory as a .tar.gz."""
-    st = state(request)
-    try:
-        path = checkpoint_dir(st, request.match_info["run"], request.match_info["kind"],
-                              request.match_info["name"])
-    except UserError as e:
-        return json_response({"error": str(e), "category": "user"}, status=400)
-    if not path.is_dir():
-        return json_response({"error": "no such checkpoint", "category": "user"}, status=404)
+    path, error = saved_folder(request)
+    if error is not None:
+        return error
 
     def pack() -> bytes:
         buf = io.BytesIO()
@@ -88,16 +91,7 @@ URLS_VALID = timedelta(hours=1)  # what `expires` says; nothing enforces it
 
 def external_folder(request):
     """(the checkpoint's folder, None) or (None, an error answer)."""
-    try:
-        path = checkpoint_dir(state(request), request.match_info["run"], "external_weights",
-                              request.match_info["name"])
-    except UserError as e:
-        return None, json_response({"error": str(e), "category": "user"}, status=400)
-    if not path.is_dir():
-        return None, json_response({"error": f"no external weights {path.name!r} in run "
-                                    f"{request.match_info['run']!r}", "category": "user"},
-                                   status=404)
-    return path, None
+    return saved_folder(request, "external_weights")
 
 
 def origin(request) -> str:
