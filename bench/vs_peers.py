@@ -61,7 +61,8 @@ def commands(bin_dir: Path, model_dir: str, ports: dict, data: Path) -> dict[str
                            str(ports["vllm_mlx"]), "--continuous-batching"]
     if (bin_dir / "mlx-openai-server").exists():
         out["mlx_openai"] = [str(bin_dir / "mlx-openai-server"), "launch", "--model-path",
-                             model_dir, "--model-type", "lm", "--port", str(ports["mlx_openai"])]
+                             model_dir, "--model-type", "lm", "--port", str(ports["mlx_openai"]),
+                             "--no-log-file"]  # else it writes logs/app.log in the cwd
     return out
 
 
