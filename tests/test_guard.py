@@ -238,6 +238,46 @@ def test_a_refused_candidate_restores_the_good_state_and_a_passed_one_is_served(
         engine.stop()
 
 
+def test_a_gate_rollback_the_learner_could_not_take_is_retried_not_the_evaluation(
+        own, tmp_path, monkeypatch):
+    """A refused candidate whose rollback finds a learner elsewhere away: the verdict is
+    applied again once it answers; the candidate is evaluated once (one `eval` line, one
+    rollback in a row), not again at every retry."""
+    from rlproxy.training import control
+    from rlproxy.training.learner import LearnerUnavailable
+
+    monkeypatch.setattr(control, "DISK_RETRY_S", 0.01)
+    engine, trainer, prompts = make(tmp_path, own, learning_rate=1e-3, eval_every=2,
+                                    max_kl=1e-9)
+    real, calls = trainer.restore, []
+
+    def restore(snapshot):
+        calls.append(1)
+        if len(calls) == 1:
+            raise LearnerUnavailable("restore: no answer in 10 s")
+        return real(snapshot)
+    trainer.restore = restore
+    try:
+        for r in range(2):
+            batch = [item(prompts[0], PROMPTS[0], ids, lps, byte_reward)
+                     for ids, lps in sample(engine, prompts[0], 8, 1000 * r)]
+            for s in batch:
+                trainer.gate.observe(s["turn"])
+            trainer.train_journaled(batch)
+            trainer._done(batch)
+        assert trainer.gate.due
+        trainer._running = True  # what start() sets: evaluate_or_wait waits while it runs
+        trainer.evaluate_or_wait()
+    finally:
+        trainer._running = False
+        trainer.stop()
+        engine.stop()
+    lines = read_records(tmp_path, "training.jsonl")
+    assert [ln["kind"] for ln in lines if ln["kind"] in ("eval", "rollback")] == [
+        "eval", "rollback"]
+    assert len(calls) == 2 and trainer.gate.in_a_row == 1 and trainer.error is None
+
+
 # ---- the must-shows ----
 
 DEGENERATE = dict(learning_rate=3e-3, eval_every=2, max_kl=0.1, eval_tolerance=0.1,

@@ -180,7 +180,7 @@ class Control:
                 if verdict is None:
                     verdict = self.judge()
                 self.apply_verdict(verdict)
-                return
+                break  # the learner answered: its error goes, below
             except LearnerRefused as e:  # e.g. no good state on the learner to go back to
                 self.paused = True
                 self.error = f"training paused: the eval gate: {e}; resume to go on"
