@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 
 from rlproxy.api.tags import TurnTags
 from rlproxy.appkeys import MODEL, SCORER, SESSIONS
-from rlproxy.serving.choice_text import ChoiceText, prompt_opens_reasoning, reasoning_markers
+from rlproxy.serving.choice_text import ChoiceText, model_thinks, prompt_opens_reasoning, \
+    reasoning_markers
 from rlproxy.serving.embedded_model import embedded_model_path
 from rlproxy.sessions.store import SessionStore
 from rlproxy.sessions.threads import system_key
@@ -79,6 +80,25 @@ def test_reasoning_split(tok, text, kw, reasoning, content):
     ct, _ = run_text(tok, text, **kw)
     assert (ct.reasoning, ct.text) == (reasoning, content)
     assert ct.tool_calls == []  # a tool call inside reasoning is not parsed
+
+
+def test_leading_blank_lines_stream_at_once_from_a_model_that_cannot_think(tok, thinking_model):
+    """Whitespace is held back (a think marker may follow it) only for a model that can think:
+    the tiny model's template and vocabulary have no marker, so a reply that opens with blank
+    lines shows them as they are sampled, not all at its end."""
+    markers = reasoning_markers(tok)
+    assert not model_thinks(tok, markers)
+    assert model_thinks(thinking_model.tokenizer, reasoning_markers(thinking_model.tokenizer))
+    newline = tok.encode("\n", add_special_tokens=False)
+    plain = ChoiceText(tok, None, False, markers, False, thinks=False)
+    assert plain.add(newline[0]) == [("content", "\n")]
+    held = ChoiceText(tok, None, False, markers, False, thinks=True)
+    assert held.add(newline[0]) == []  # a thinking model's blank start waits for the marker
+    # at the very start, the marker still opens a think block for any model
+    ct = ChoiceText(tok, None, False, markers, False, thinks=False)
+    deltas = [d for i in tok.encode("<think>plan</think>Hi", add_special_tokens=False)
+              for d in ct.add(i)] + ct.finish()
+    assert (ct.reasoning, ct.text) == ("plan", "Hi") and deltas
 
 
 def test_prompt_that_opens_the_think_block(tok):

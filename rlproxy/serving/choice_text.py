@@ -29,6 +29,16 @@ def reasoning_markers(tokenizer) -> tuple[str, str]:
     return "<think>", "</think>"
 
 
+def model_thinks(tokenizer, markers: tuple[str, str]) -> bool:
+    """Can this model open a think block after leading whitespace? Only one whose vocabulary
+    has the markers (mlx-lm's `has_thinking`) or whose chat template writes the start marker.
+    For any other model, leading whitespace streams at once (a think block must then open the
+    completion's very first characters): holding it back made a reply that starts with blank
+    lines show no content until its first non-blank token."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return bool(tokenizer.has_thinking) or (isinstance(template, str) and markers[0] in template)
+
+
 def prompt_opens_reasoning(tokenizer, prompt_ids: list[int], markers: tuple[str, str]) -> bool:
     """Does the generation prompt end with the think start marker (templates that open the
     think block for the model, e.g. Qwen3's and DeepSeek-R1's)? Only the very end counts: a
@@ -53,8 +63,9 @@ class ChoiceText:
 
     def __init__(self, tokenizer, stop: list[str] | None, parse_tools: bool,
                  reasoning: tuple[str, str] | None = None, in_reasoning: bool = False,
-                 tools: list[dict] | None = None):
+                 tools: list[dict] | None = None, thinks: bool = True):
         self.tokenizer, self.tools = tokenizer, tools
+        self._hold_blank = thinks  # leading whitespace may precede the think marker
         self.detokenizer = tokenizer.detokenizer
         self.stop = [s for s in (stop or []) if s]
         self.format: ToolFormat | None = tool_format(tokenizer) if parse_tools else None
@@ -106,7 +117,7 @@ class ChoiceText:
     def _feed(self, text: str, final: bool) -> list[tuple[str, object]]:
         if self._state is None:  # a think block may open the completion, after whitespace
             self._head += text
-            lead = self._head.lstrip()
+            lead = self._head.lstrip() if self._hold_blank else self._head
             if lead.startswith(self.think_start):
                 text = lead[len(self.think_start):]
                 self._state, self._last = self._machine.make_state("reasoning"), "reasoning"

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from rlproxy import protocol
 from rlproxy.protocol import APIError, ChatRequest
 from rlproxy.serving.chat_template import render_prompt
-from rlproxy.serving.choice_text import ChoiceText, prompt_opens_reasoning, reasoning_markers, \
-    token_bytes
+from rlproxy.serving.choice_text import ChoiceText, model_thinks, prompt_opens_reasoning, \
+    reasoning_markers, token_bytes
 from rlproxy.serving.engine import Engine, Job, SamplingParams
 
 
@@ -165,8 +165,9 @@ class Generation:
         parse_tools = prompt.tools is not None
         markers = reasoning_markers(tokenizer) if reasoning else None
         opened = markers is not None and prompt_opens_reasoning(tokenizer, prompt.ids, markers)
-        self.texts = [ChoiceText(tokenizer, req.stop, parse_tools, markers, opened, prompt.tools)
-                      for _ in params]
+        thinks = markers is not None and model_thinks(tokenizer, markers)
+        self.texts = [ChoiceText(tokenizer, req.stop, parse_tools, markers, opened, prompt.tools,
+                                 thinks) for _ in params]
         # Each counter has one writer: produced/cut the engine thread, consumed the loop.
         self.max_backlog = max_backlog
         self._produced, self._consumed = [0] * len(params), [0] * len(params)
