@@ -73,7 +73,19 @@ def prompt_text(tokenizer, tokens: int, opening: str) -> str:
 
 
 def stream(url: str, model: str, text: str, max_tokens: int) -> dict:
-    """One streamed greedy chat completion: TTFT, completion tokens, seconds."""
+    """One streamed greedy chat completion: TTFT, completion tokens, seconds. A connection the
+    server resets before answering (mlx_lm.server's listen backlog is 5: 16 clients at once
+    can overflow it) is tried again, up to 3 times, from a fresh clock; `retries` counts them."""
+    for retries in range(4):
+        try:
+            return {**_stream_once(url, model, text, max_tokens), "retries": retries}
+        except requests.ConnectionError:
+            if retries == 3:
+                raise
+            time.sleep(0.05)
+
+
+def _stream_once(url: str, model: str, text: str, max_tokens: int) -> dict:
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": text}]}

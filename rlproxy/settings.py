@@ -135,9 +135,10 @@ class EngineSettings(Section):
     max_batch: int = Field(16, ge=1, description="sequences decoded together (continuous "
                            "batching)")
     prefill_step_size: int = Field(
-        2048, ge=16, description="prompt tokens processed per prefill step; a prompt with more "
-        "than prefill_step_size/8 tokens left is prefilled one step at a time between decode "
-        "steps, so this is also about the longest a request waits behind a long prompt")
+        2048, ge=16, description="prompt tokens processed per prefill step: waiting prompts that "
+        "fit one step together are prefilled in one batched pass, a longer one a step at a time, "
+        "with decode steps between, so this is also about the longest a request waits behind a "
+        "long prompt")
     default_max_tokens: int = Field(
         1024, ge=1, description="completion cap when a request names none (OpenAI: context)"
     )

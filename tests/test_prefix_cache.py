@@ -93,7 +93,7 @@ def test_restored_prefix_matches_scratch(engines, case):
         "longer": (p0[:70] + random_tokens(rng, 30), 70),  # diverges inside the entry
         "inside": (p0[:70], 69),  # a strict prefix of the entry
         # the rest is long enough for the engine's chunked prefill (serving/prefill.py), from the hit
-        "long_rest": (stored + random_tokens(rng, 400), len(stored)),
+        "long_rest": (stored + random_tokens(rng, 2100), len(stored)),
     }[case]
     got = engines.run(prompt)
     assert got[2] == expected

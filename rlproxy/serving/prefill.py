@@ -6,15 +6,20 @@ Two stages sit between `Engine.submit` and the batched decode (serving/engine.py
   blob from disk, check its CRC, unpack and dequantize it, and hands the job on with its KV
   restored and evaluated. That work once ran on the engine thread between two decode steps and
   stalled every stream for its whole length.
-- **PrefillLane** (on the engine thread): a prompt with more than a few hundred tokens left to
-  prefill is run through the model here, one `prefill_step_size` chunk per engine step, and
-  enters the decode batch only once its KV covers all but the last prompt token (the way a
-  prefix-cache hit enters). mlx-lm's BatchGenerator would prefill it inside one `next()` (every
-  chunk back to back, and a short prompt that arrives meanwhile padded into the same chunks), so
-  a 4-token request waited for a whole 30k-character prompt. Between two chunks the decode
-  batch gets at least as much time as the last chunk took: a short request that arrives during a
-  long prefill waits for at most the chunk under way, then runs at no worse than half speed.
-  Among several long prompts, the one with the fewest tokens left goes first.
+- **PrefillLane** (on the engine thread): every prompt waits here until the decode batch has
+  had its share of time. Then the lane either hands a *group* to mlx-lm's BatchGenerator, as
+  many waiting prompts (fewest tokens left first, at most `prefill_batch`) as fit in one
+  `prefill_step_size` chunk padded to the longest of them, which the generator prefills in one
+  batched forward pass inside its next step; or, when even the shortest waiting prompt has more
+  than a chunk left, it runs one chunk of that prompt through the model here. A long prompt
+  thus enters the decode batch once its rest fits a chunk (the way a prefix-cache hit enters).
+  Left to itself, BatchGenerator would prefill a long prompt inside one `next()` (every chunk
+  back to back, and a short prompt that arrives meanwhile padded into the same chunks), so a
+  4-token request waited for a whole 30k-character prompt. Between two prefills the decode
+  batch gets at least as much time as the last prefill took: a short request that arrives
+  during a long prefill waits for at most the chunk under way, then runs at no worse than half
+  speed. Batching the waiting prompts into one forward pass, rather than one chunk each with
+  decode time between, is what keeps many concurrent arrivals as fast as a plain batched server.
 
 Neither stage knows about HTTP, sampling or what happens to the tokens.
 """
@@ -91,26 +96,29 @@ class Loader:
 @dataclass
 class Prefilling:
     job: object
-    cache: list  # the model's KV cache, covering prompt_ids[:done]
+    cache: list | None  # the model's KV cache covering prompt_ids[:done]; None: nothing yet
     done: int
 
 
 class PrefillLane:
-    """Prompts being prefilled chunk by chunk on the engine thread, with the decode batch's
-    fair share of time between chunks."""
+    """Prompts waiting for their prefill on the engine thread, with the decode batch's fair
+    share of time between two prefills."""
 
-    def __init__(self, model: nn.Module, step_size: int):
-        self.model, self.step_size = model, step_size
+    def __init__(self, model: nn.Module, step_size: int, prefill_batch: int = 8):
+        self.model, self.step_size, self.prefill_batch = model, step_size, prefill_batch
         self.items: list[Prefilling] = []
-        self.chunks = 0
-        self.last_chunk_s = 0.0
-        self._decode_s = 0.0  # decode time since the last chunk
+        self.chunks = 0  # chunks of one long prompt run here
+        self.groups = 0  # groups handed to the BatchGenerator
+        self.last_chunk_s = 0.0  # the last prefill's time, a chunk's or a group's
+        # What the next prefill will likely take, by kind: decoding gets as much before it
+        self._chunk_s = 0.0  # the last chunk of a long prompt's time
+        self._group_s = 0.0  # the last group's time
+        self._decode_s = 0.0  # decode time since the last prefill
 
     def __len__(self) -> int:
         return len(self.items)
 
     def add(self, job, cache: list | None) -> None:
-        cache = cache if cache is not None else make_prompt_cache(self.model)
         self.items.append(Prefilling(job, cache, job.cached_tokens))
 
     def remove(self, job) -> Prefilling | None:
@@ -122,26 +130,68 @@ class PrefillLane:
     def decoded(self, seconds: float) -> None:
         self._decode_s += seconds
 
-    def due(self, decoding: bool) -> bool:
-        """A chunk may run now: nothing else decodes, or decoding has had its half."""
-        return bool(self.items) and (not decoding or self._decode_s >= self.last_chunk_s)
+    def prefilled(self, seconds: float) -> None:
+        """A group's prefill (inside the generator step that took SECONDS) is done."""
+        self.last_chunk_s = self._group_s = seconds
+        self._decode_s = 0.0
+
+    def due(self, decoding: bool, room: int) -> bool:
+        """A prefill may run now: nothing else decodes, or decoding has had as much time since
+        the last prefill as the next one will likely take (a group's if a waiting prompt fits
+        one, else a long prompt's chunk): every stream then runs at no worse than half speed,
+        and a short request let in between two chunks of a long prompt finishes before the
+        next chunk holds it up."""
+        if not self.items:
+            return False
+        if not decoding:
+            return True
+        fits = room > 0 and _left(self.next()) <= self.step_size
+        return self._decode_s >= (self._group_s if fits else self._chunk_s)
+
+    def group(self, room: int) -> list[Prefilling]:
+        """Take the waiting prompts to prefill together: fewest tokens left first, at most
+        ROOM and `prefill_batch` of them, while they fit one chunk padded to the longest and
+        padding adds at most half again to their own tokens (a 13-token request is not padded
+        to a long prompt's 190-token tail: it would wait for that tail's prefill)."""
+        out: list[Prefilling] = []
+        tokens = 0
+        for item in sorted(self.items, key=_left):
+            padded = (len(out) + 1) * _left(item)
+            if len(out) >= min(room, self.prefill_batch) or padded > self.step_size or \
+                    (out and 2 * padded > 3 * (tokens + _left(item))):
+                break
+            out.append(item)
+            tokens += _left(item)
+        for item in out:
+            self.items.remove(item)
+        if out:
+            self.groups += 1
+        return out
 
     def next(self) -> Prefilling:
-        """The prompt to prefill next: the one with the fewest tokens left."""
-        return min(self.items, key=lambda it: len(it.job.prompt_ids) - it.done)
+        """The prompt to prefill a chunk of: the one with the fewest tokens left."""
+        return min(self.items, key=_left)
 
     def run(self, item: Prefilling) -> bool:
         """Prefill one chunk of ITEM; True (and it leaves the lane) once its KV covers all but
         the last prompt token: it is ready to decode."""
+        if item.cache is None:
+            item.cache = make_prompt_cache(self.model)
         end = min(item.done + self.step_size, len(item.job.prompt_ids) - 1)
         tic = time.perf_counter()
         self.model(mx.array(item.job.prompt_ids[item.done:end])[None], cache=item.cache)
         mx.eval([c.state for c in item.cache])
         mx.clear_cache()
-        self.last_chunk_s, self._decode_s = time.perf_counter() - tic, 0.0
+        self.last_chunk_s = self._chunk_s = time.perf_counter() - tic
+        self._decode_s = 0.0
         self.chunks += 1
         item.done = end
         if end < len(item.job.prompt_ids) - 1:
             return False
         self.items.remove(item)
         return True
+
+
+def _left(item: Prefilling) -> int:
+    """Prompt tokens ITEM still has to prefill."""
+    return len(item.job.prompt_ids) - item.done
