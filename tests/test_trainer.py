@@ -488,3 +488,36 @@ def test_a_trainer_stopped_while_paused_trains_nothing(own, tmp_path):
     assert trainer.step == 0 and not trainer.trained
     assert all(mx.array_equal(before[k], after[k]).item() for k in before)
     assert [x["kind"] for x in read_records(tmp_path, "training.jsonl")] == ["pause"]
+
+
+def test_the_served_lora_forward_matches_the_training_copy_after_a_step(own, tmp_path):
+    """The serving model adds its LoRA term in one addmm (serving/model.py ServingLoRALinear);
+    with a trained, non-zero adapter its log-probs still equal the training copy's (mlx-lm's
+    LoRALinear forward) on the same tokens, to float rounding."""
+    from mlx_lm.tuner.lora import LoRALinear
+
+    from rlproxy.serving.model import ServingLoRALinear
+
+    served = [m for _, m in own.model.named_modules() if isinstance(m, LoRALinear)]
+    assert served and all(type(m) is ServingLoRALinear for m in served)
+    settings, engine, trainer, prompt = setup(own, tmp_path)
+    tokens = mx.array([prompt + list(range(300, 340))])
+    before = own.model(tokens)
+    try:
+        trainer.train_batch([scored(prompt, *s) for s in sample(engine, prompt, 8, 11)])
+        deadline = time.time() + 5
+        while engine.adapter_version < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine.adapter_version == 1
+        copy = trainer.learner.model
+        assert all(type(m) is LoRALinear for _, m in copy.named_modules()
+                   if isinstance(m, LoRALinear))
+        assert any(mx.abs(m.lora_b).max().item() > 0 for m in served)  # the step reached it
+        copy.eval()
+        want, got = copy(tokens), own.model(tokens)
+        assert got.dtype == want.dtype
+        assert mx.abs(got - before).max().item() > 1e-2  # the adapter moved the logits ...
+        assert mx.abs(got - want).max().item() < 1e-4  # ... and both forwards agree on it
+    finally:
+        trainer.stop()
+        engine.stop()

@@ -25,6 +25,7 @@ import mlx.nn as nn
 import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.models.rope_utils import YarnRoPE
+from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
 from mlx_lm.utils import load_config
 
@@ -215,6 +216,7 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
     model.freeze()
     model.unfreeze(keys=["lora_a", "lora_b"], strict=False)
     model.eval()
+    serve_lora_in_one_step(model)
     # Concrete arrays only: the engine thread must never evaluate a graph built on this thread.
     mx.eval(model.parameters())
     eval_buffers(model)
@@ -294,6 +296,29 @@ def load_adapter(model: nn.Module, adapter: str) -> dict:
 
 class AdapterError(ValueError):
     """An --adapter folder that cannot be loaded onto the model; the message says why."""
+
+
+class ServingLoRALinear(LoRALinear):
+    """mlx-lm's LoRALinear with the adapter's term added in one step when serving: y + scale *
+    (x A) B as one `addmm` where x, A and B share a dtype, 3 kernels a projection where mlx-lm's
+    forward takes 5 (matmul, matmul, multiply, cast, add). One decode step of the embedded tiny
+    model took 1.40x the base model's with mlx-lm's forward and 1.24x with this one. The sum is
+    the same up to float rounding order; other dtypes, and training, take mlx-lm's path."""
+
+    def __call__(self, x):
+        y = self.linear(x)
+        a, b = self.lora_a, self.lora_b
+        if self.training or not x.dtype == a.dtype == b.dtype == y.dtype:
+            return y + (self.scale * ((self.dropout(x) @ a) @ b)).astype(x.dtype)
+        return mx.addmm(y, x @ a, b, alpha=self.scale)
+
+
+def serve_lora_in_one_step(model: nn.Module) -> None:
+    """Give the serving model's LoRA layers ServingLoRALinear's forward (same arrays, same
+    names: adapters still swap in with `model.update`). Training copies keep mlx-lm's."""
+    for _, module in model.named_modules():
+        if type(module) is LoRALinear:
+            module.__class__ = ServingLoRALinear
 
 
 def one_line(e: Exception) -> str:
