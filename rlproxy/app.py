@@ -57,7 +57,8 @@ def engine_context(settings: Settings, loaded: LoadedModel | None):
         loop = asyncio.get_running_loop()
         # Load on this (main) thread: MLX objects made on a pool thread abort at exit.
         with phase("loaded the serving model"):
-            model = loaded or load_serving_model(settings.model)
+            model = loaded or load_serving_model(settings.model,
+                                                 lora_seed=settings.trainer.train_seed)
         prefix_cache = None
         if settings.cache.prefix_cache:  # also MLX work (a weight digest): here too
             with phase("opened the prefix cache"):

@@ -122,7 +122,7 @@ def retrain(source: Path, settings) -> int:
         print(f"rlproxy: no scored turns released for training in {source}", file=sys.stderr)
         return 1
     with progress.phase("loaded the model"):
-        loaded = load_serving_model(settings.model)
+        loaded = load_serving_model(settings.model, lora_seed=settings.trainer.train_seed)
     out = settings.records.data_dir
     trainer = Trainer(settings, training_copy(loaded), loaded.lora_config, data_dir=out,
                       vocab_size=loaded.vocab_size)

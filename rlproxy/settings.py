@@ -265,6 +265,10 @@ class TrainerSettings(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     batch_size: int = Field(4, ge=1, description="scored turns per optimizer step")
     train_epochs: int = Field(1, ge=1, description="optimizer steps per batch")
+    train_seed: int | None = Field(
+        None, ge=0, description="seed of the LoRA initialisation: with it, `rlproxy train --from` "
+        "gives the same adapter from the same records and flags (its turns train in the "
+        "records' order); default: a fresh initialisation at each start without a checkpoint")
     max_context_tokens: int = Field(
         40960, ge=16, description="longer turns are skipped (the memory estimate guards the rest)")
     max_staleness: int | None = Field(

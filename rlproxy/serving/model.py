@@ -193,7 +193,9 @@ def load_base_model(settings: ModelSettings):
     return model, tokenizer
 
 
-def load_serving_model(settings: ModelSettings) -> LoadedModel:
+def load_serving_model(settings: ModelSettings, lora_seed: int | None = None) -> LoadedModel:
+    """The model served, with LoRA layers: an --adapter's, or fresh ones (lora_a drawn from
+    MLX's generator, seeded with LORA_SEED when one is given; lora_b zero)."""
     source = resolve_source(settings.model, settings.dequantize)
     path_or_id, model_id = source.path, source.model_id
     context, overrides = context_window(read_config(path_or_id), settings.context_length)
@@ -210,6 +212,8 @@ def load_serving_model(settings: ModelSettings) -> LoadedModel:
         lora_config = load_adapter(model, settings.adapter)
     else:
         lora_config = lora_config_from(settings, len(model.layers))
+        if lora_seed is not None:  # --train-seed: the draws below are then the same every run
+            mx.random.seed(lora_seed)
         linear_to_lora_layers(model, lora_config["num_layers"], lora_config["lora_parameters"])
     to_cpu_dtype(model)
     quantize_base(model, settings.quantize_bits)
