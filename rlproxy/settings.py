@@ -266,9 +266,10 @@ class TrainerSettings(Section):
     batch_size: int = Field(4, ge=1, description="scored turns per optimizer step")
     train_epochs: int = Field(1, ge=1, description="optimizer steps per batch")
     train_seed: int | None = Field(
-        None, ge=0, description="seed of the LoRA initialisation: with it, `rlproxy train --from` "
-        "gives the same adapter from the same records and flags (its turns train in the "
-        "records' order); default: a fresh initialisation at each start without a checkpoint")
+        None, ge=0, description="seed of the LoRA initialisation (MLX's generator, seeded once "
+        "as the model loads; not used with --adapter): with it, `rlproxy train --from` gives the "
+        "same adapter from the same records and flags (its turns train in the records' order); "
+        "default: a fresh initialisation at each start without a checkpoint")
     max_context_tokens: int = Field(
         40960, ge=16, description="longer turns are skipped (the memory estimate guards the rest)")
     max_staleness: int | None = Field(

@@ -98,3 +98,36 @@ def test_a_cancelled_prefill_leaves_the_engine_serving(engine, tiny):
     time.sleep(0.2)
     assert steps == [] and job.done
     assert engine.stats.active == 0 and not engine.busy()
+
+
+def test_a_long_prompt_is_prefilled_while_the_batch_is_full_and_short_ones_wait(tiny):
+    """With every batch slot decoding and a short request waiting for one, a long prompt's
+    chunks still run (they need no slot): it is not held up behind the short one. A short
+    request in turn joins the batch as soon as a slot frees, between the long one's chunks."""
+    engine = Engine(tiny.model, tiny.tokenizer.eos_token_ids, max_batch=2, prefill_step_size=STEP)
+    engine.start()
+    rng = random.Random(2)
+    no_end = {t: -100.0 for t in tiny.tokenizer.eos_token_ids}
+    try:
+        hogs = [submit(engine, [rng.randrange(10, 1300) for _ in range(20)], 100_000,
+                       temperature=0.0, logit_bias=no_end) for _ in range(2)]
+        while any(not steps for _, _, steps in hogs):  # both decoding: the batch is full
+            time.sleep(0.005)
+        waiting = submit(engine, [rng.randrange(10, 1300) for _ in range(20)], 4,
+                         temperature=0.0, logit_bias=no_end)
+        chunks = engine.stats.prefill_chunks
+        long_job = submit(engine, [rng.randrange(10, 1300) for _ in range(8 * STEP)], 1,
+                          temperature=0.0)
+        deadline = time.time() + 30
+        while engine.stats.prefill_chunks < chunks + 4 and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.stats.prefill_chunks >= chunks + 4, "no chunk ran while the batch was full"
+        assert not waiting[1].is_set() and not long_job[1].is_set()  # no slot for either yet
+        engine.cancel(hogs[0][0])  # a slot frees: the short one takes it and finishes
+        assert waiting[1].wait(30)
+        assert [s.error for _, s in waiting[2]] == [None] * 4
+        engine.cancel(hogs[1][0])
+        assert long_job[1].wait(60)
+        assert long_job[2][-1][1].error is None
+    finally:
+        engine.stop()

@@ -36,6 +36,10 @@ def model_thinks(tokenizer, markers: tuple[str, str]) -> bool:
     completion's very first characters): holding it back made a reply that starts with blank
     lines show no content until its first non-blank token."""
     template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates (transformers' {"default": ..., ...})
+        template = " ".join(t for t in template.values() if isinstance(t, str))
+    elif isinstance(template, list):  # the same as [{"name": ..., "template": ...}]
+        template = " ".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
     return bool(tokenizer.has_thinking) or (isinstance(template, str) and markers[0] in template)
 
 

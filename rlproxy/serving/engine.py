@@ -275,8 +275,9 @@ class Engine:
         self._lane.add(job, restored)  # prefilled when decoding has had its share
         self.stats.active = len(self._jobs) + len(self._lane)  # the judge yields now
 
-    def _start(self, job: Job, cache: list | None, done: int) -> None:
-        """Hand the job to the BatchGenerator with KV for prompt_ids[:done] (or none)."""
+    def _start(self, job: Job, cache: list | None, done: int) -> bool:
+        """Hand the job to the BatchGenerator with KV for prompt_ids[:done] (or none); False
+        if it refused the job (then failed)."""
         p = job.params
         restored = {"caches": [cache], "all_tokens": [job.prompt_ids[:done]]} if cache else {}
         try:
@@ -291,23 +292,26 @@ class Engine:
             )
         except Exception as e:
             self._fail(job, f"{type(e).__name__}: {e}")
-            return
+            return False
         job.uid = uid
         self._jobs[uid] = job
+        return True
 
     def _prefill(self) -> None:
-        """Hand the waiting prompts that fit one chunk to the generator as a group (its next
-        step prefills them in one batched pass), or else prefill one chunk of the shortest."""
-        group = self._lane.group(self.max_batch - len(self._jobs))
-        if group:
-            for item in group:
-                self._start(item.job, item.cache, item.done)
-            self._group_pending = bool(self._jobs)
+        """The lane's next prefill: a group of waiting prompts that fit one chunk, handed to the
+        generator (its next step prefills them in one batched pass), or one chunk of a longer
+        prompt, run here."""
+        room = self.max_batch - len(self._jobs)
+        if self._lane.plan(room) == "group":
+            started = 0
+            for item in self._lane.group(room):
+                started += self._start(item.job, item.cache, item.done)
+            self._group_pending = started > 0
             self.stats.prefill_groups = self._lane.groups
             return
-        item = self._lane.next()
-        if len(item.job.prompt_ids) - item.done <= self._lane.step_size:
-            return  # the batch is full: it waits for a free slot, and decoding goes on
+        item = self._lane.next_chunk()
+        if item is None:
+            return
         try:
             ready = self._lane.run(item)
         except Exception as e:  # this prompt fails, nothing else

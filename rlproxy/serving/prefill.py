@@ -98,6 +98,7 @@ class Prefilling:
     job: object
     cache: list | None  # the model's KV cache covering prompt_ids[:done]; None: nothing yet
     done: int
+    passed: int = 0  # groups formed without it while it fitted one
 
 
 class PrefillLane:
@@ -114,6 +115,7 @@ class PrefillLane:
         self._chunk_s = 0.0  # the last chunk of a long prompt's time
         self._group_s = 0.0  # the last group's time
         self._decode_s = 0.0  # decode time since the last prefill
+        self._last = "chunk"  # the last prefill's kind
 
     def __len__(self) -> int:
         return len(self.items)
@@ -135,42 +137,61 @@ class PrefillLane:
         self.last_chunk_s = self._group_s = seconds
         self._decode_s = 0.0
 
+    def plan(self, room: int) -> str | None:
+        """What the next prefill is: "group" (waiting prompts that fit one chunk, handed to
+        the generator; needs ROOM in the batch), "chunk" (a chunk of a longer prompt, here; no
+        room needed), or None. With both waiting they take turns, so neither a stream of short
+        requests nor a long prompt holds the other up for more than one prefill."""
+        fits = room > 0 and any(_left(it) <= self.step_size for it in self.items)
+        long = any(_left(it) > self.step_size for it in self.items)
+        if fits and long:
+            return "chunk" if self._last == "group" else "group"
+        return "group" if fits else "chunk" if long else None
+
     def due(self, decoding: bool, room: int) -> bool:
         """A prefill may run now: nothing else decodes, or decoding has had as much time since
-        the last prefill as the next one will likely take (a group's if a waiting prompt fits
-        one, else a long prompt's chunk): every stream then runs at no worse than half speed,
-        and a short request let in between two chunks of a long prompt finishes before the
-        next chunk holds it up."""
-        if not self.items:
+        the last prefill as the next one will likely take (a group's or a chunk's): every
+        stream then runs at no worse than half speed, and a short request let in between two
+        chunks of a long prompt finishes before the next chunk holds it up."""
+        kind = self.plan(room) if self.items else None
+        if kind is None:
             return False
-        if not decoding:
-            return True
-        fits = room > 0 and _left(self.next()) <= self.step_size
-        return self._decode_s >= (self._group_s if fits else self._chunk_s)
+        return not decoding or self._decode_s >= (self._group_s if kind == "group"
+                                                  else self._chunk_s)
 
     def group(self, room: int) -> list[Prefilling]:
-        """Take the waiting prompts to prefill together: fewest tokens left first, at most
-        ROOM and `prefill_batch` of them, while they fit one chunk padded to the longest and
-        padding adds at most half again to their own tokens (a 13-token request is not padded
-        to a long prompt's 190-token tail: it would wait for that tail's prefill)."""
+        """Take the waiting prompts to prefill together, at most ROOM and `prefill_batch` of
+        them: one passed over twice first, then fewest tokens left first, while they fit one
+        chunk padded to the longest and padding adds at most half again, both to the tokens to
+        prefill and to the whole prompts (their caches are padded to the longest when merged):
+        a 13-token request is not padded to a long prompt's tail, nor to a 20k-token cache hit."""
         out: list[Prefilling] = []
-        tokens = 0
-        for item in sorted(self.items, key=_left):
-            padded = (len(out) + 1) * _left(item)
-            if len(out) >= min(room, self.prefill_batch) or padded > self.step_size or \
-                    (out and 2 * padded > 3 * (tokens + _left(item))):
+        left = whole = 0
+        fitting = [it for it in self.items if _left(it) <= self.step_size]
+        for item in sorted(fitting, key=lambda it: (it.passed < 2, _left(it))):
+            n = len(out) + 1
+            padded = n * max([_left(item)] + [_left(it) for it in out])
+            padded_whole = n * max(len(it.job.prompt_ids) for it in out + [item])
+            if n > min(room, self.prefill_batch) or padded > self.step_size or (out and (
+                    2 * padded > 3 * (left + _left(item)) or
+                    2 * padded_whole > 3 * (whole + len(item.job.prompt_ids)))):
                 break
             out.append(item)
-            tokens += _left(item)
+            left, whole = left + _left(item), whole + len(item.job.prompt_ids)
         for item in out:
             self.items.remove(item)
+        for item in fitting:
+            item.passed += item not in out
         if out:
             self.groups += 1
+            self._last = "group"
         return out
 
-    def next(self) -> Prefilling:
-        """The prompt to prefill a chunk of: the one with the fewest tokens left."""
-        return min(self.items, key=_left)
+    def next_chunk(self) -> Prefilling | None:
+        """The prompt to prefill a chunk of: of those longer than a chunk, the one with the
+        fewest tokens left."""
+        long = [it for it in self.items if _left(it) > self.step_size]
+        return min(long, key=_left) if long else None
 
     def run(self, item: Prefilling) -> bool:
         """Prefill one chunk of ITEM; True (and it leaves the lane) once its KV covers all but
@@ -183,7 +204,7 @@ class PrefillLane:
         mx.eval([c.state for c in item.cache])
         mx.clear_cache()
         self.last_chunk_s = self._chunk_s = time.perf_counter() - tic
-        self._decode_s = 0.0
+        self._decode_s, self._last = 0.0, "chunk"
         self.chunks += 1
         item.done = end
         if end < len(item.job.prompt_ids) - 1:
