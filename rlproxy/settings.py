@@ -135,10 +135,9 @@ class EngineSettings(Section):
     max_batch: int = Field(16, ge=1, description="sequences decoded together (continuous "
                            "batching)")
     prefill_step_size: int = Field(
-        2048, ge=16, description="prompt tokens processed per prefill step: waiting prompts that "
-        "fit one step together are prefilled in one batched pass, a longer one a step at a time, "
-        "with decode steps between, so this is also about the longest a request waits behind a "
-        "long prompt")
+        2048, ge=16, description="prompt tokens per prefill step (prompts that fit one go in one "
+        "batched pass, a longer one a step at a time between decode steps): about the longest a "
+        "request waits behind a long prompt")
     default_max_tokens: int = Field(
         1024, ge=1, description="completion cap when a request names none (OpenAI: context)"
     )
@@ -265,16 +264,12 @@ class TrainerSettings(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     batch_size: int = Field(4, ge=1, description="scored turns per optimizer step")
     train_epochs: int = Field(1, ge=1, description="optimizer steps per batch")
-    train_seed: int | None = Field(
-        None, ge=0, description="seed of the LoRA initialisation (MLX's generator, seeded once "
-        "as the model loads; not used with --adapter): with it, `rlproxy train --from` gives the "
-        "same adapter from the same records and flags (its turns train in the records' order); "
-        "default: a fresh initialisation at each start without a checkpoint")
+    train_seed: int | None = Field(None, ge=0, description="seed of a fresh LoRA initialisation "
+                                   "(`train --from` then repeats exactly); default: unseeded")
     max_context_tokens: int = Field(
         40960, ge=16, description="longer turns are skipped (the memory estimate guards the rest)")
-    max_staleness: int | None = Field(
-        None, ge=0, description="a turn sampled more than N adapter versions before the one it "
-        "would train is skipped (default: none, every turn trains)")
+    max_staleness: int | None = Field(None, ge=0, description="skip a turn sampled more than N "
+                                      "adapter versions before its step; default: none")
     prompt_grad: Literal["full", "none"] = Field(
         "none", description="none: no gradient through the prompt's keys and values (exact "
         "log-probs, a step costs about one prefill); full: the exact gradient, ~3x slower")

@@ -8,6 +8,9 @@ in chunks (keys and values only, no logits), then the scored positions, so a lon
 materialises logits for all its positions. `between(seconds)` is called after each evaluated
 chunk: the caller's chance to yield to live requests.
 
+`chosen_logprobs` and `top_logprobs` read the engine's rows, already evaluated by its decode
+step, in place.
+
 Not here: sampling (serving/sampler.py), losses (training/losses.py), the trainer's chunked
 forward and backward with gradients (training/chunked_grad.py, which uses `logprobs_of`).
 """
@@ -19,6 +22,7 @@ from typing import Callable, Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 
@@ -76,3 +80,25 @@ def sequence_logprobs(model: nn.Module, ids: list[int], start: int = 1, step: in
         between(time.perf_counter() - tic)
         out.append(lp)
     return mx.concatenate(out) if out else mx.zeros((0,), mx.float32)
+
+
+def chosen_logprobs(rows: list[mx.array], tokens: list[int]) -> list[float]:
+    """Each token's log-prob from its row of evaluated log-probs. A float32 or float16 row is
+    read in place through NumPy (no MLX op, no copy: stacking the rows cost 2 ms a step at a
+    151k vocabulary and 16 streams); a bfloat16 row, which NumPy cannot view, is indexed in MLX
+    before anything is stacked."""
+    if all(row.dtype in _NUMPY_VIEWS for row in rows):
+        return [float(np.asarray(row)[t]) for row, t in zip(rows, tokens)]
+    return mx.stack([row[t] for row, t in zip(rows, tokens)]).astype(mx.float32).tolist()
+
+
+def top_logprobs(row: mx.array, k: int) -> list[tuple[int, float]]:
+    """The K most likely tokens of one evaluated row of log-probs, most likely first."""
+    values = np.asarray(row if row.dtype in _NUMPY_VIEWS else row.astype(mx.float32))
+    k = min(k, values.shape[-1])
+    ids = np.argpartition(-values, k - 1)[:k]
+    ids = ids[np.argsort(-values[ids], kind="stable")]
+    return [(int(i), float(values[i])) for i in ids]
+
+
+_NUMPY_VIEWS = (mx.float32, mx.float16)
