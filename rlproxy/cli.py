@@ -11,6 +11,7 @@ from pathlib import Path
 from rlproxy.flags import SETTINGS_SOURCES, add_serve_flags, add_setting_flag, flags_from
 from rlproxy.ops import progress
 from rlproxy.ops.logs import setup_logging
+from rlproxy.ops.ranks import launched_rank
 from rlproxy.paths import DataDirInUse, lock_data_dir
 from rlproxy.settings import ModelSettings, load_settings
 
@@ -18,6 +19,9 @@ from rlproxy.settings import ModelSettings, load_settings
 def serve(args: argparse.Namespace) -> int:
     settings = load_settings(flags_from(args), args.config)
     setup_logging(args.log_level, settings.server.log_format)  # flag > env > the TOML file
+    if launched_rank() is not None:  # under mlx.launch: ranks but 0 only compute gradients
+        if (code := gradient_worker(settings)) is not None:
+            return code
     # first: a second server on one data dir stops here, before it loads or writes anything
     with data_dir_locked(settings.records.data_dir):
         from rlproxy.api import server  # (before mlx_lm: it notes the open-file limit)
@@ -28,6 +32,17 @@ def serve(args: argparse.Namespace) -> int:
         server.run_app(app, host=settings.server.host, port=settings.server.port,
                        print=lambda msg: print(msg, flush=True))
     return 0
+
+
+def gradient_worker(settings) -> int | None:
+    """Under a launch: check the settings on every rank; a rank other than 0 then works for
+    rank 0 (training/distributed.py) and returns its exit code; rank 0 gets None and goes on."""
+    from rlproxy.training import distributed
+
+    distributed.check(settings)
+    if launched_rank() == 0 or (group := distributed.group()) is None:
+        return None
+    return distributed.work(settings, distributed.Link(group, None))
 
 
 @contextlib.contextmanager
@@ -104,6 +119,9 @@ def train_cmd(args: argparse.Namespace) -> int:
     flags["data_dir"] = flags.get("data_dir") or str(source / "offline-train")
     settings = load_settings(flags, args.config)
     setup_logging(args.log_level, settings.server.log_format)
+    if launched_rank() is not None:  # under mlx.launch: ranks but 0 only compute gradients
+        if (code := gradient_worker(settings)) is not None:
+            return code
     with data_dir_locked(settings.records.data_dir):  # nor into one another process writes
         return retrain(source, settings)
 
@@ -112,7 +130,7 @@ def retrain(source: Path, settings) -> int:
     from rlproxy.lru import LRU
     from rlproxy.serving.model import load_serving_model
     from rlproxy.training.items import released_turns
-    from rlproxy.training.learner import training_copy
+    from rlproxy.training.learner import LearnerUnavailable, training_copy
     from rlproxy.training.loop import Trainer
 
     with progress.phase("read the released turns"):
@@ -128,13 +146,19 @@ def retrain(source: Path, settings) -> int:
                       vocab_size=loaded.vocab_size)
     trainer.trained = LRU()  # retrain everything, whatever an earlier run did
     size = settings.trainer.batch_size
-    for start in progress.bar(range(0, len(turns) - size + 1, size), desc="training",
-                              unit="batch"):
-        for line in trainer.train_journaled(turns[start:start + size]):
-            progress.write(f"step {line['step']}: loss {line['loss']:.4f} "
-                           f"reward_mean {line['reward_mean']} tokens {line['tokens']}")
-    path = trainer.save()
-    trainer.writer.close()
+    try:
+        for start in progress.bar(range(0, len(turns) - size + 1, size), desc="training",
+                                  unit="batch"):
+            for line in trainer.train_journaled(turns[start:start + size]):
+                progress.write(f"step {line['step']}: loss {line['loss']:.4f} "
+                               f"reward_mean {line['reward_mean']} tokens {line['tokens']}")
+        path = trainer.save()
+    except LearnerUnavailable as e:  # under mlx.launch: a rank died or hangs
+        print(f"rlproxy: training stopped after {trainer.step} steps: {e}", file=sys.stderr)
+        return 1
+    finally:
+        trainer.writer.close()
+        trainer.learner.close()  # the other ranks of a launch exit
     print(f"{len(turns)} turns, {trainer.step} steps; adapter checkpoint: {path}")
     return 0
 

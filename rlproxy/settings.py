@@ -31,10 +31,9 @@ class Section(BaseModel):
 
 
 def _int_text(v):
-    """'8' -> 8 for the bit widths (environment variables are text; Literal[4, 8] wants ints)."""
-    if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():
-        return int(v)
-    return v  # the Literal check then says which values are allowed
+    """'8' -> 8 for the bit widths (environment variables are text; Literal[4, 8] wants ints);
+    anything else as it is: the Literal check then says which values are allowed."""
+    return int(v) if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit() else v
 
 
 def _module_functions(v: list[str]) -> list[str]:
@@ -264,6 +263,8 @@ class TrainerSettings(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     batch_size: int = Field(4, ge=1, description="scored turns per optimizer step")
     train_epochs: int = Field(1, ge=1, description="optimizer steps per batch")
+    distributed_timeout_s: float = Field(300.0, gt=0, description="under mlx.launch: how long "
+                                         "rank 0 waits for the others before training pauses")
     train_seed: int | None = Field(None, ge=0, description="seed of a fresh LoRA initialisation "
                                    "(`train --from` then repeats exactly); default: unseeded")
     max_context_tokens: int = Field(

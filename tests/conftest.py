@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import rlproxy  # noqa: F401  (preloads OpenBLAS before mlx)
@@ -202,6 +203,26 @@ def thinking_model(tiny, tmp_path_factory):
                                                 "<|im_start|>assistant\n<think>\n{% endif %}")
     hf.save_pretrained(path)
     return dataclasses.replace(tiny, tokenizer=load_tokenizer(path))
+
+
+@pytest.fixture(scope="session")
+def recorded(tmp_path_factory):
+    """A data dir with real recorded, scored and released turns (reward from a function)."""
+    data = tmp_path_factory.mktemp("recorded")
+    settings = make_settings(data, judge=False, at_least_one=False,
+                             reward_functions=["test_trainer:target_reward"])
+    with ServerThread(settings, load_serving_model(ModelSettings(model="tiny"))) as s:
+        c = s.client()
+        for i in range(8):
+            c.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=10,
+                seed=i, extra_headers={"X-Session-Id": f"rec-{i}", "X-Session-Done": "1"})
+        deadline = time.time() + 30
+        while len([r for r in read_records(data, "prm_scores.jsonl")
+                   if r["kind"] == "release"]) < 8:
+            assert time.time() < deadline
+            time.sleep(0.1)
+    return data
 
 
 def read_records(data_dir, name="conversations.jsonl") -> list[dict]:

@@ -20,27 +20,7 @@ import requests
 from rlproxy.cli import build_parser, flags_from, main
 from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import SECTIONS, ModelSettings, Settings, load_settings
-from conftest import ServerThread, make_settings, read_records
-
-
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    """A data dir with real recorded, scored and released turns (reward from a function)."""
-    data = tmp_path_factory.mktemp("recorded")
-    settings = make_settings(data, judge=False, at_least_one=False,
-                             reward_functions=["test_trainer:target_reward"])
-    with ServerThread(settings, load_serving_model(ModelSettings(model="tiny"))) as s:
-        c = s.client()
-        for i in range(8):
-            c.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=10,
-                seed=i, extra_headers={"X-Session-Id": f"rec-{i}", "X-Session-Done": "1"})
-        deadline = time.time() + 30
-        while len([r for r in read_records(data, "prm_scores.jsonl")
-                   if r["kind"] == "release"]) < 8:
-            assert time.time() < deadline
-            time.sleep(0.1)
-    return data
+from conftest import read_records
 
 
 def test_offline_train_then_fuse(recorded, tmp_path, capsys):

@@ -18,10 +18,7 @@ training/checkpoints.py's load_checkpoint reads them), which `rlproxy serve --ad
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import queue
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +30,6 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from rlproxy.paths import ADAPTER_CONFIG, TRAINER_STATE
 from rlproxy.serving.logprobs import sequence_logprobs, token_logprobs
-from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.serving.model import architecture, lora_weights, quantize_base, save_adapter
 from rlproxy.tinker.wire import UserError
 from rlproxy.training import losses
@@ -42,35 +38,6 @@ from rlproxy.training.checkpoints import load_checkpoint, save_optimizer, writte
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 # optim_step's metrics: the run's optimizer steps after this one (no ':', it is no reduction)
 STEP_METRIC = "rlproxy_run_step"
-
-
-class Worker:
-    """One thread for all MLX work of the Tinker API: jobs run one at a time, in submit order."""
-
-    def __init__(self):
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="rlproxy-tinker", daemon=True)
-        self._thread.start()
-
-    def run(self, fn, *args) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((fut, fn, args))
-        return fut
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=60)
-
-    def _run(self) -> None:
-        with mlx_thread():
-            while (job := self._jobs.get()) is not None:
-                fut, fn, args = job
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(*args))
-                    except BaseException as e:  # reported on the request's future
-                        fut.set_exception(e)
-                del job, fut, fn, args
 
 
 @dataclass

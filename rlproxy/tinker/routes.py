@@ -23,6 +23,7 @@ from rlproxy import paths
 from rlproxy.api.edge import json_response
 from rlproxy.appkeys import ENGINE, MODEL, SETTINGS
 from rlproxy.ops.health import served_names
+from rlproxy.serving.mlx_threads import Worker
 from rlproxy.tinker import models, runs, wire
 from rlproxy.tinker.archive import (
     delete_checkpoint, download_checkpoint, external_file, external_urls, list_checkpoints,
@@ -381,7 +382,7 @@ async def finish_session(request):
 async def tinker_context(app: web.Application):
     settings = app[SETTINGS]
     loaded, engine = app[MODEL], app[ENGINE]
-    worker = models.Worker()
+    worker = Worker()
     samplers = Samplers(loaded, engine, worker)
     app[TINKER] = TinkerState(loaded, Path(settings.records.data_dir) / paths.TINKER,
                               settings.server.tinker_max_models, worker, samplers)

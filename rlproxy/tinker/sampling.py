@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rlproxy.lru import LRU
 from rlproxy.serving.engine import Engine, Job, SamplingParams, asyncio_delivery
+from rlproxy.serving.mlx_threads import Worker
 from rlproxy.tinker import models
 from rlproxy.tinker.wire import UserError
 
@@ -23,7 +24,7 @@ MAX_ADAPTERS = 8
 
 
 class Samplers:
-    def __init__(self, loaded, engine: Engine, worker: models.Worker):
+    def __init__(self, loaded, engine: Engine, worker: Worker):
         self.loaded, self.engine, self.worker = loaded, engine, worker
         self.sessions: dict[str, dict] = {}  # id -> {"path": Path | None, "model_path": str}
         self.adapters: LRU[str, object] = LRU(MAX_ADAPTERS)  # adapter name -> its model

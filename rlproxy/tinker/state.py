@@ -23,7 +23,7 @@ from rlproxy.tinker.futures import FutureStore
 from rlproxy.tinker.wire import UserError
 
 if TYPE_CHECKING:
-    from rlproxy.tinker.models import Worker
+    from rlproxy.serving.mlx_threads import Worker
     from rlproxy.tinker.sampling import Samplers
 
 # fullmatch ("x\n" is not a name). No leading '.': not '.' or '..', nor the hidden temp

@@ -60,6 +60,7 @@ class ForwardBackwardOutput:
     kl: float  # summed over the trained tokens (0 without a KL penalty)
     entropy: float  # summed over the trained tokens
     tokens: int  # completion tokens of the call: the normaliser
+    shard_tokens: list[int] | None = None  # under mlx.launch: each rank's share (sequence tokens)
 
 
 @dataclass
@@ -115,6 +116,14 @@ class LocalLearner:
         example, each cut into units followed by `between(seconds)`. A call that raises adds
         nothing."""
         n_tokens = sum(e["tokens"] for e in examples)
+        loss, kl, entropy, grads = self.gradients(examples, n_tokens, between)
+        self.accumulate(grads)
+        return ForwardBackwardOutput(loss, kl, entropy, n_tokens)
+
+    def gradients(self, examples: list[dict], n_tokens: int,
+                  between: Callable[[float], None]) -> tuple[float, float, float, dict | None]:
+        """(loss, KL, entropy, LoRA gradient) summed over EXAMPLES, each example's loss divided
+        by N_TOKENS (the whole batch's, which a rank's share of it is not); None: no examples."""
         grads, total, kl_total, entropy = None, 0.0, 0.0, 0.0
         t = self.t
         for ex in examples:
@@ -127,8 +136,11 @@ class LocalLearner:
             total += loss
             kl_total += kl
             entropy += ent
-        self.grads = grads if self.grads is None else tree_map(mx.add, self.grads, grads)
-        return ForwardBackwardOutput(total, kl_total, entropy, n_tokens)
+        return total, kl_total, entropy, grads
+
+    def accumulate(self, grads: dict | None) -> None:
+        if grads is not None:
+            self.grads = grads if self.grads is None else tree_map(mx.add, self.grads, grads)
 
     def proximal(self, examples: list[dict], between: Callable[[float], None]) -> None:
         """Fix each example's proximal log-probs (`prox`) at the current weights, for decoupled
@@ -155,6 +167,12 @@ class LocalLearner:
         self.optimizer.update(self.model, grads)
         mx.eval(self.model.parameters(), self.optimizer.state, grad_norm)
         return OptimStepOutput(float(grad_norm.item()), learning_rate)
+
+    def health(self) -> dict:
+        return {}  # nothing beyond the trainer's own object on /healthz
+
+    def close(self) -> None:
+        pass  # nothing held outside this process
 
     def save_weights_for_sampler(self) -> dict[str, mx.array]:
         """The adapter to serve (evaluated arrays, by LoRA parameter name)."""

@@ -53,7 +53,7 @@ from rlproxy.training.examples import no_signal, pack, turn_example
 from rlproxy.training.gate import make_gate
 from rlproxy.training.items import item_choice, item_key, released_turns
 from rlproxy.training.journal import StepJournal, uids_of
-from rlproxy.training import losses
+from rlproxy.training import distributed, losses
 from rlproxy.training.learner import LocalLearner, training_copy
 from rlproxy.training.pacing import Pacer
 
@@ -96,8 +96,12 @@ class Trainer(Control, RemoteSync):
         self.t, self.settings, self.engine = t, settings, engine
         self.data_dir = Path(data_dir or settings.records.data_dir)
         # the learner in this process, or one elsewhere (remote/learner.py) behind its calls
-        self.learner = learner or LocalLearner(settings, model, lora_config,
-                                               self.data_dir / CHECKPOINTS, ref_model)
+        ranks = distributed.group() if learner is None else None  # under mlx.launch
+        self.learner = learner or (
+            LocalLearner(settings, model, lora_config, self.data_dir / CHECKPOINTS, ref_model)
+            if ranks is None else distributed.ParallelLearner(
+                settings, model, lora_config, self.data_dir / CHECKPOINTS, ref_model,
+                distributed.Link(ranks, t.distributed_timeout_s)))
         self.remote = settings.remote.trainer == "tinker"
         # what the step applies: a remote learner's ppo is Tinker's, clipped against the
         # behaviour log-probs; the other losses have no clip to decouple (training/losses.py)
@@ -165,8 +169,7 @@ class Trainer(Control, RemoteSync):
                 self._save_unsaved()
             except Exception:
                 log.exception("could not save the final checkpoint")
-        if self.remote:
-            self.learner.close()
+        self.learner.close()  # a learner elsewhere, or the other ranks of a launch
         self.writer.close()
         self.journal.close()
 
@@ -181,7 +184,7 @@ class Trainer(Control, RemoteSync):
                 "queued": self.inbox.qsize(), "step": self.step, **asdict(self.stats),
                 "quarantined": len(self.journal.quarantined),
                 "failed_steps": self.journal.failed_steps, "paused": self.paused,
-                **(self.learner.health() if self.remote else {})}
+                **self.learner.health()}
 
     # ---- the books: items waiting, keys handled ----
 
@@ -403,6 +406,7 @@ class Trainer(Control, RemoteSync):
             "published": published, "uids": [u for e in examples for u in e["uids"]],
             "staleness": [s for e in examples for s in e["staleness"]],  # per uid
             **({"run_step": opt.run_step} if self.remote else {}),
+            **({"shard_tokens": fb.shard_tokens} if fb.shard_tokens else {}),  # mlx.launch
             "prompt_grad": self.t.prompt_grad, "units": units["units"],
             "max_unit_s": round(units["max_unit_s"], 4),
             "yielded_s": round(units["yielded_s"], 4), "time": round(time.time(), 3),
