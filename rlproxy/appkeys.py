@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from aiohttp import web
 
@@ -37,6 +37,8 @@ RESPONSES: web.AppKey[diskcache.Cache] = web.AppKey("responses")  # api/response
 METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")  # what GET /metrics exposes
 RECORD_INDEX: web.AppKey[RecordIndex] = web.AppKey("record_index")  # the dashboard's records
 ADMISSION: web.AppKey[Admission] = web.AppKey("admission")  # generation requests let in
+# under mlx.launch, asked on SIGTERM: why rank 0 serves on (a rank failed), or None to stop
+OUTLIVES: web.AppKey[Callable[[], str | None]] = web.AppKey("outlives")
 LIVE: web.AppKey[deque] = web.AppKey("live")  # the dashboard's recent rates (ops/ui/views.py)
 # Set when a SIGTERM/SIGINT drain runs out (--drain-timeout-s): every in-flight request ends
 # now, a stream with an error event in its API's shape (and [DONE] for Chat), a request still

@@ -15,6 +15,7 @@ SCORES = "prm_scores.jsonl"  # one line per scored turn and feedback change (sco
 TRAINING = "training.jsonl"  # steps, skips, evaluations, rollbacks (training/)
 JOURNAL = "train_journal.jsonl"  # which turns each step is about to train (training/journal.py)
 CHECKPOINTS = "checkpoints"  # step_NNNNNN/ folders (training/checkpoints.py)
+RANK0_LOG = "rank0.log"  # mlx.launch: rank 0's output after a rank failed (training/distributed.py)
 PREFIX_CACHE = "prefix_cache"  # the on-disk prefix KV store (kv/prefix_cache.py)
 RESPONSES = "responses"  # stored Responses API objects (api/response_store.py)
 TINKER = "tinker"  # the Tinker API's runs and checkpoints (tinker/)

@@ -14,11 +14,12 @@ and training/; the engine and the model it is given are built by app.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from rlproxy.appkeys import ENGINE, MODEL, SCORER, SESSIONS, TRAINER
+from rlproxy.appkeys import ENGINE, MODEL, OUTLIVES, SCORER, SESSIONS, TRAINER
 from rlproxy.ops.progress import phase
 from rlproxy.remote.judge import TINKER, TinkerJudge
 from rlproxy.remote.learner import remote_learner
@@ -29,6 +30,8 @@ from rlproxy.serving.engine import Engine
 from rlproxy.serving.model import LoadedModel, load_base_model
 from rlproxy.sessions.store import SessionStore, sweep_idle_forever
 from rlproxy.settings import Settings
+from rlproxy.paths import RANK0_LOG
+from rlproxy.training import distributed
 from rlproxy.training.items import released_turns
 from rlproxy.training.learner import training_copy
 from rlproxy.training.loop import Trainer
@@ -134,6 +137,9 @@ def pipeline_context(settings: Settings):
         if p.trainer is not None:
             p.trainer.start()
             app[TRAINER] = p.trainer
+            if isinstance(p.trainer.learner, distributed.ParallelLearner):  # under mlx.launch
+                app[OUTLIVES] = functools.partial(distributed.outlive, p.trainer.learner,
+                                                  settings.records.data_dir / RANK0_LOG)
         app[SCORER], app[SESSIONS] = p.scorer, p.store
         scoring = asyncio.create_task(p.scorer.run())
         sweeper = asyncio.create_task(sweep_idle_forever(p.store))

@@ -74,6 +74,7 @@ def test_shards_are_balanced_by_tokens_and_keep_each_example_whole():
     assert split(examples[:1], 3)[1:] == [[], []]  # fewer examples than ranks: empty shards
 
 
+@pytest.mark.slow
 def test_train_from_records_on_two_ranks_equals_one_process(recorded, tmp_path):
     """`rlproxy train --from … --train-seed 0` under mlx.launch on 2 ranks writes the adapter one
     process writes, within 1e-3 per LoRA tensor, and the same step losses; rank 1 trained half
@@ -97,3 +98,184 @@ def test_train_from_records_on_two_ranks_equals_one_process(recorded, tmp_path):
     assert "shard_tokens" not in lines_one[0]
     # and training moved the adapter (lora_b starts at 0): the equality is not of two fresh ones
     assert any(mx.abs(v).max().item() > 0 for k, v in adapter(two, 2).items() if "lora_b" in k)
+
+
+SERVE = ["serve", "--model", "tiny", "--no-judge", "--no-at-least-one", "--reward-function",
+         "test_trainer:target_reward", "--batch-size", "4", "--learning-rate", "1e-3",
+         "--train-seed", "0", "--eval-every", "0", "--log-level", "INFO"]
+
+
+def children(pid: int) -> list[int]:
+    """PID's child processes (mlx.launch starts each rank from a thread of its own)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*")
+            for c in (task / "children").read_text().split()]
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    """The process mlx.launch started as RANK (its launch script execs the command)."""
+    for pid in children(launcher):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"MLX_RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+class Served:
+    """`rlproxy serve` on RANKS ranks (mlx.launch) or in one plain process, until stopped with
+    SIGINT to rank 0 (rank 0 then tells the others to stop)."""
+
+    def __init__(self, data: Path, ranks: int, *extra: str):
+        self.port = free_ports(1)
+        args = [*SERVE, "--data-dir", str(data), "--port", str(self.port), *extra]
+        self.log = (data.parent / f"{data.name}.out").open("w")
+        if ranks > 1:
+            self.proc = launch(args, ranks, stdout=self.log, stderr=subprocess.STDOUT)
+        else:
+            env = {**os.environ, "PYTHONPATH": str(TESTS)}
+            self.proc = subprocess.Popen([sys.executable, "-m", "rlproxy.cli", *args], env=env,
+                                         stdout=self.log, stderr=subprocess.STDOUT)
+        self.ranks, self.url = ranks, f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 180
+        while True:
+            assert self.proc.poll() is None, self.output()
+            assert time.time() < deadline, self.output()
+            try:
+                if requests.get(self.url + "/healthz", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def rank(self, r: int) -> int:
+        return rank_pid(self.proc.pid, r) if self.ranks > 1 else self.proc.pid
+
+    def health(self) -> dict:
+        return requests.get(self.url + "/healthz", timeout=10).json()
+
+    def chat(self, text: str, seed: int, session: str | None = None, **kw) -> dict:
+        headers = {"X-Session-Id": session, "X-Session-Done": "1"} if session else {}
+        r = requests.post(self.url + "/v1/chat/completions", headers=headers, timeout=120, json={
+            "model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 10,
+            "seed": seed, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def turns(self, first: int, n: int = 4) -> None:
+        for i in range(first, first + n):
+            self.chat(f"hello {i}", seed=i, session=f"s-{i}")
+
+    def wait(self, what, timeout: float = 180) -> dict:
+        deadline = time.time() + timeout
+        while not what(h := self.health()):
+            assert time.time() < deadline, (h, self.output()[-3000:])
+            time.sleep(0.3)
+        return h
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.rank(0), signal.SIGINT)
+            except (AssertionError, ProcessLookupError):
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                for pid in children(self.proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return Path(self.log.name).read_text()
+
+
+def probe(s: Served) -> list[float]:
+    """The served adapter's log-probs of a greedy reply to a fixed prompt."""
+    out = s.chat("tell me a story", seed=0, temperature=0, logprobs=True)
+    return [t["logprob"] for t in out["choices"][0]["logprobs"]["content"]]
+
+
+@pytest.mark.slow
+def test_a_live_server_on_two_ranks_serves_what_one_process_trains(tmp_path):
+    """Rank 0 serves and records, both ranks train: after two steps on the same turns the
+    served log-probs equal a one-process server's within 1e-3 (the second step proves rank 1
+    applied the first update as rank 0 did: only the first sends the state)."""
+    served = {}
+    for ranks in (1, 2):
+        s = Served(tmp_path / f"r{ranks}", ranks)
+        try:
+            before = probe(s)
+            s.turns(0)
+            s.wait(lambda h: h["trainer"]["steps"] >= 1)
+            s.turns(4)
+            h = s.wait(lambda h: h["trainer"]["steps"] >= 2 and h["adapter_version"] >= 2)
+            served[ranks] = probe(s)
+            assert h["trainer"]["error"] is None
+            assert h["trainer"].get("ranks") == (2 if ranks == 2 else None)
+        finally:
+            out = s.stop()
+        assert "[WARN] Node with rank" not in out, out[-3000:]
+        assert max(abs(a - b) for a, b in zip(before, served[ranks])) > 1e-3  # it learned
+        if ranks == 2:
+            steps = read_records(tmp_path / "r2", "training.jsonl")
+            assert [len(line["shard_tokens"]) for line in steps] == [2, 2]
+            assert "rank 1 of 2: a gradient worker" in out
+            assert not (tmp_path / "r2" / "rank0.log").exists()
+    assert len(served[1]) == len(served[2]) > 0
+    assert max(abs(a - b) for a, b in zip(served[1], served[2])) <= 1e-3, served
+
+
+@pytest.mark.slow
+def test_a_killed_worker_rank_pauses_training_and_serving_goes_on(tmp_path):
+    """SIGKILL rank 1: mlx.launch then sends rank 0 SIGTERM, and rank 0 finds the ring broken,
+    so it serves on (its output moves to rank0.log). /healthz says a rank failed; the next
+    batch waits for the learner with no turn charged; SIGINT still stops rank 0."""
+    s = Served(tmp_path / "d", 2, "--distributed-timeout-s", "30")
+    try:
+        s.turns(0)
+        s.wait(lambda h: h["trainer"]["steps"] >= 1)
+        os.kill(s.rank(1), signal.SIGKILL)
+        h = s.wait(lambda h: h["trainer"]["ranks_error"] is not None, timeout=60)
+        assert "connection to a peer was lost" in h["trainer"]["ranks_error"], h
+        s.chat("still there?", seed=1)  # serving goes on
+        s.turns(4)
+        h = s.wait(lambda h: (h["trainer"]["error"] or "").startswith(
+            "training waits for the learner"), timeout=60)
+        assert "a rank died" in h["trainer"]["error"]
+        assert h["trainer"]["steps"] == 1 and h["trainer"]["quarantined"] == 0
+        assert h["status"] == "ok" and s.proc.poll() is None
+    finally:
+        out = s.stop()
+    log = (tmp_path / "d" / "rank0.log").read_text()
+    assert "serves on with training paused" in out
+    assert "SIGTERM: not stopping" in log
+    failed = [line for line in read_records(tmp_path / "d", "train_journal.jsonl")
+              if line["kind"] == "step_end" and not line["ok"]]
+    assert failed and not any(line["charged"] for line in failed), failed  # turns not blamed
+
+
+@pytest.mark.slow
+def test_a_hung_worker_rank_fails_the_step_within_the_timeout(tmp_path):
+    """SIGSTOP rank 1 (a Mac asleep, a stalled link: mlx.launch sees nothing): the next step
+    fails after --distributed-timeout-s with a clear error on /healthz, no turn is charged, and
+    serving goes on."""
+    s = Served(tmp_path / "h", 2, "--distributed-timeout-s", "5")
+    worker = s.rank(1)
+    try:
+        os.kill(worker, signal.SIGSTOP)
+        s.turns(0)
+        h = s.wait(lambda h: (h["trainer"]["error"] or "").startswith(
+            "training waits for the learner"), timeout=120)
+        assert "did not answer within 5 s" in h["trainer"]["error"], h
+        assert "did not answer within 5 s" in h["trainer"]["ranks_error"]
+        assert h["trainer"]["steps"] == 0 and h["trainer"]["quarantined"] == 0
+        s.chat("still there?", seed=1)
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        s.stop()
+    failed = [line for line in read_records(tmp_path / "h", "train_journal.jsonl")
+              if line["kind"] == "step_end" and not line["ok"]]
+    assert failed and not any(line["charged"] for line in failed), failed

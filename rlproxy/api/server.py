@@ -33,7 +33,7 @@ from aiohttp import http_exceptions as hx
 from aiohttp import web
 
 from rlproxy.api.edge import both_shapes, error_response, json_response
-from rlproxy.appkeys import ADMISSION, SETTINGS, STOPPING
+from rlproxy.appkeys import ADMISSION, OUTLIVES, SETTINGS, STOPPING
 from rlproxy.protocol import APIError, shown
 from rlproxy.settings import ServerSettings
 
@@ -301,10 +301,12 @@ class AppRunner(web.AppRunner):
 
 
 def run_app(app: web.Application, *, host: str, port: int, print=print) -> None:
-    """Serve until SIGINT or SIGTERM, then drain: stop accepting, let in-flight requests finish
-    for up to --drain-timeout-s, then set `app[STOPPING]` so the rest end now (a stream with
-    its API's error event, a waiting request with 503), give them STOP_GRACE_S to say so, and
-    run the app's cleanup (records and journal flushed). A second signal skips the drain.
+    """Serve until SIGINT, SIGTERM or SIGHUP, then drain: stop accepting, let in-flight requests
+    finish for up to --drain-timeout-s, then set `app[STOPPING]` so the rest end now (a stream
+    with its API's error event, a waiting request with 503), give them STOP_GRACE_S to say so,
+    and run the app's cleanup (records and journal flushed). A second signal skips the drain.
+    Under mlx.launch (`app[OUTLIVES]`) a SIGTERM or SIGHUP first asks whether a rank failed:
+    then rank 0 serves on, and only SIGINT stops it.
 
     Not aiohttp's `handle_signals`: it raises GracefulExit inside the loop, and asyncio.run
     then cancels every task at once, handlers and cleanup alike."""
@@ -313,13 +315,31 @@ def run_app(app: web.Application, *, host: str, port: int, print=print) -> None:
         signalled = asyncio.Event()
         stopping = app.setdefault(STOPPING, asyncio.Event())  # create_app may have made it
 
+        checking: set = set()
+
         def on_signal(sig: signal.Signals) -> None:
             if signalled.is_set():  # a second signal: no more waiting
                 log.info("%s again: ending in-flight requests now", sig.name)
                 stopping.set()
+            elif sig != signal.SIGINT and OUTLIVES in app:  # mlx.launch's, maybe
+                if not checking:  # one check answers for the signals that come meanwhile
+                    checking.add(asyncio.ensure_future(outlive(sig)))
+                return
             signalled.set()
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        async def outlive(sig: signal.Signals) -> None:
+            """mlx.launch sends SIGTERM to rank 0 when another rank exits with an error: then
+            serving goes on (training waits); from anyone else the signal stops the server."""
+            try:
+                reason = await loop.run_in_executor(None, app[OUTLIVES])
+            finally:
+                checking.clear()
+            if reason is None:
+                signalled.set()
+            else:
+                log.warning("%s: not stopping: %s", sig.name, reason)
+
+        for sig in SIGNALS:
             loop.add_signal_handler(sig, on_signal, sig)
         runner = AppRunner(app, access_log=None, shutdown_timeout=STOP_GRACE_S)
         await runner.setup()
@@ -330,12 +350,14 @@ def run_app(app: web.Application, *, host: str, port: int, print=print) -> None:
             await drain(runner, app[SETTINGS].server.drain_timeout_s, stopping)
         finally:
             await runner.cleanup()  # handlers left after the grace are cancelled; cleanup_ctx
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in SIGNALS:
                 loop.remove_signal_handler(sig)
 
     asyncio.run(serve())
 
 
+# SIGHUP too: a closed terminal (or ssh, mlx.launch's remote ranks) drains like a stop
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 5.0  # after STOPPING: for handlers to write their error event or 503
 
 

@@ -29,6 +29,8 @@ import concurrent.futures
 import logging
 import os
 import struct
+import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -176,19 +178,21 @@ class Link:
         # the sums run on the CPU (the ring's), on that thread's own stream, else this one's
         self._stream = None if self._worker is not None else mx.cpu
 
-    def call(self, what: str, fn: Callable, *args):
-        """FN(*ARGS) on the exchange thread, waited for at most timeout_s (rank 0), or here."""
+    def call(self, what: str, fn: Callable, *args, timeout_s: float | None = None):
+        """FN(*ARGS) on the exchange thread, waited for at most TIMEOUT_S (default: the link's)
+        on rank 0; on a worker, here."""
         if self.broken:
             raise RankFailed(self.broken)
         if self._worker is None:
             return fn(*args)
         fut = self._worker.run(fn, *args)
+        wait = timeout_s or self.timeout_s
         try:
-            return fut.result(timeout=self.timeout_s)
+            return fut.result(timeout=wait)
         except ShardFailed:
             raise
         except concurrent.futures.TimeoutError:
-            self.broken = (f"{what}: the other ranks did not answer within {self.timeout_s:g} s "
+            self.broken = (f"{what}: the other ranks did not answer within {wait:g} s "
                            "(--distributed-timeout-s): a rank hangs or died")
         except Exception as e:
             self.broken = f"{what}: {type(e).__name__}: {e} (a rank died or left the ring)"
@@ -250,7 +254,15 @@ class ParallelLearner(LocalLearner):
         super().__init__(settings, model, lora_config, checkpoints, ref_model)
         self.link = link
         self.synced = False  # the other ranks hold rank 0's adapter and optimizer state
+        # held from a call's first exchange to its last (a ping between them would be heard
+        # by ranks waiting for the sum)
+        self.exchanging = threading.Lock()
         self.keys = [k for k, _ in tree_flatten(model.trainable_parameters())]
+        if not mx.metal.is_available():
+            # MLX's CPU allocator waits for every CPU stream before it clears its buffer cache,
+            # and mlx-lm's prefill clears it: an exchange a stalled rank leaves pending would
+            # stall serving. With no cache there is nothing to clear, and no wait.
+            mx.set_cache_limit(0)
         try:  # the others are loading the model meanwhile: this waits for them
             mismatch = self.link.call("hello", self._hello, layout(self))
         except RankFailed as e:  # serving goes on; each step says why it cannot train
@@ -274,6 +286,11 @@ class ParallelLearner(LocalLearner):
 
     def forward_backward(self, examples: list[dict],
                          between: Callable[[float], None]) -> ForwardBackwardOutput:
+        with self.exchanging:
+            return self._forward_backward(examples, between)
+
+    def _forward_backward(self, examples: list[dict],
+                          between: Callable[[float], None]) -> ForwardBackwardOutput:
         n_tokens = sum(e["tokens"] for e in examples)
         shards = split(examples, self.link.size)
         heads, arrays = pack_examples(shards[1:])
@@ -314,20 +331,53 @@ class ParallelLearner(LocalLearner):
             self.link.all_sum(state)
 
     def optim_step(self, learning_rate: float) -> OptimStepOutput:
-        self.link.tell({"op": "optim_step", "learning_rate": learning_rate})
+        with self.exchanging:
+            self.link.tell({"op": "optim_step", "learning_rate": learning_rate})
         try:
             return super().optim_step(learning_rate)
         except BaseException:  # the others took the step: they get this rank's state next
             self.synced = False
             raise
 
-    def close(self) -> None:
-        try:
+    def lost_rank(self, wait_s: float = 10.0) -> str | None:
+        """Why the group is broken, or None: known, or found by a ping once no call holds the
+        exchanges (a call in progress fails fast on a dead rank)."""
+        with self.exchanging:
             if not self.link.broken:
-                self.link.tell({"op": "stop"})
-        except RankFailed:
-            pass
-        self.link.close()
+                try:
+                    self.link.call("ping", self.link.broadcast_bytes, pack({"op": "ping"}),
+                                   timeout_s=wait_s)
+                except RankFailed:
+                    pass
+        return self.link.broken
+
+    def close(self) -> None:
+        with self.exchanging:
+            try:
+                if not self.link.broken:
+                    self.link.tell({"op": "stop"})
+            except RankFailed:
+                pass
+            self.link.close()
+
+
+def outlive(learner: ParallelLearner, log_path: Path) -> str | None:
+    """On SIGTERM or SIGHUP to rank 0 (api/server.py): mlx.launch sends it when another rank
+    exits with an error, and then waits for rank 0 without reading its output. A broken group:
+    this rank's output goes to LOG_PATH from now on, and the reason is returned (serving goes
+    on); a sound one: None (the signal stops the server)."""
+    reason = learner.lost_rank()
+    if reason is None:
+        return None
+    print(f"rlproxy: a rank of this launch failed ({reason}); mlx.launch asked rank 0 to stop, "
+          f"but it serves on with training paused (stop it with SIGINT). Its output goes to "
+          f"{log_path} from now on.", file=sys.stderr, flush=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return reason
 
 
 def work(settings: Settings, link: Link) -> int:
@@ -350,6 +400,8 @@ def work(settings: Settings, link: Link) -> int:
         if op == "stop":
             log.info("rank %d: rank 0 stopped training; exiting", link.rank)
             return 0
+        if op == "ping":
+            continue
         if op == "hello":
             link.all_sum(mx.array([int(head["layout"] != layout(learner))], dtype=mx.int32))
         elif op == "optim_step":
