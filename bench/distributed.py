@@ -10,12 +10,14 @@ TURNS agent-shaped turns of TOKENS tokens each (the bench's agent workload, benc
 agent_workload.py: system prompt, 20 tool schemas, tool calls and results; the last 256 tokens
 trained as the completion with advantages of +-1). Reported per configuration: step time
 (forward_backward + optim_step, median of REPS after one warm-up step) and tokens/s; for 2 ranks
-the bytes all-reduced per step (the gradient sum, and the shards sent) and the time of a bare
-all_sum of the gradient's size between the two ranks, as a share of the step.
+the bytes all-reduced per step (the gradient sum), the bytes of messages rank 0 sent (the
+shard, over TCP), and the time of a bare all_sum of the gradient's size between the two ranks,
+as a share of the step.
 
 On a 2-core machine two ranks share the cores, so they cannot be faster; the projection to two
 Macs takes the measured 1-rank compute, halves it (each Mac computes half the tokens), and adds
-the gradient's all_sum at each stated link speed (a 2-rank ring moves each byte once each way).
+the bytes that cross the link at each stated speed (a 2-rank ring sum moves each gradient byte
+once each way; the shard goes once) plus a stated latency per step.
 """
 
 import rlproxy  # noqa: I001  (first: preloads OpenBLAS before anything imports mlx)
@@ -89,7 +91,7 @@ def run_rank(args) -> None:
     n_params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     bare = None
     if link is not None:  # a bare all_sum of the gradient's size, before the learner's protocol
-        x = mx.zeros((n_params + 4,))
+        x = mx.zeros((n_params + 3,))  # the gradient and loss, KL, entropy
         times = []
         for _ in range(5):
             tic = time.perf_counter()
@@ -105,12 +107,13 @@ def run_rank(args) -> None:
     batch = examples(loaded.tokenizer, args.turns, args.tokens)
     steps = []
     for rep in range(args.reps + 1):
-        before = link.reduced_bytes if link else 0
+        before = (link.reduced_bytes, link.sent_bytes) if link else (0, 0)
         tic = time.perf_counter()
         learner.forward_backward(batch, between=lambda _s: None)
         learner.optim_step(1e-5)
         steps.append({"s": time.perf_counter() - tic,
-                      "reduced_bytes": (link.reduced_bytes - before) if link else 0})
+                      "reduced_bytes": (link.reduced_bytes - before[0]) if link else 0,
+                      "sent_bytes": (link.sent_bytes - before[1]) if link else 0})
     learner.close()
     timed = steps[1:]  # the first compiles and warms the caches
     step_s = statistics.median(s["s"] for s in timed)
@@ -118,7 +121,8 @@ def run_rank(args) -> None:
     print("RESULT " + json.dumps({
         "ranks": group.size() if group else 1, "step_s": step_s, "tokens_per_s": tokens / step_s,
         "steps_s": [s["s"] for s in steps], "lora_parameters": n_params,
-        "gradient_bytes": (n_params + 4) * 4, "reduced_bytes_per_step": timed[-1]["reduced_bytes"],
+        "gradient_bytes": (n_params + 3) * 4, "reduced_bytes_per_step": timed[-1]["reduced_bytes"],
+        "sent_bytes_per_step": timed[-1]["sent_bytes"],
         "bare_all_sum_s": bare}), flush=True)
 
 
@@ -149,6 +153,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--model", default="tiny")
     p.add_argument("--link-gbps", type=float, nargs="+", default=[10.0, 40.0, 80.0])
+    p.add_argument("--link-latency-ms", type=float, default=1.0,
+                   help="added per step to the projection (the sum and the messages' round trips)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=Path("bench/results/distributed.json"))
     args = p.parse_args()
@@ -159,8 +165,9 @@ def main() -> None:
     grad = two["gradient_bytes"]
     share = two["bare_all_sum_s"] / two["step_s"]
     projected = {}
-    for gbps in args.link_gbps:  # compute halves; each byte crosses the link once each way
-        comm = grad / (gbps * 1e9 / 8)
+    moved = grad + two["sent_bytes_per_step"]  # the sum crosses each way once; the shard once
+    for gbps in args.link_gbps:  # compute halves
+        comm = moved / (gbps * 1e9 / 8) + args.link_latency_ms / 1e3
         step = one["step_s"] / 2 + comm
         projected[f"{gbps:g} Gb/s"] = {"step_s": step, "communication_share": comm / step,
                                        "speedup_vs_1_rank": one["step_s"] / step}
@@ -170,8 +177,9 @@ def main() -> None:
         f"1 rank : step {one['step_s']:.2f} s, {one['tokens_per_s']:.0f} tokens/s",
         f"2 ranks: step {two['step_s']:.2f} s, {two['tokens_per_s']:.0f} tokens/s "
         f"({one['step_s'] / two['step_s']:.2f}x; both ranks share this machine's cores)",
-        f"all-reduced per step: {grad:,} bytes of gradient; "
-        f"{two['reduced_bytes_per_step']:,} bytes in all (shards and messages included)",
+        f"per step: {two['reduced_bytes_per_step']:,} bytes all-reduced (the gradient and 3 "
+        f"figures), {two['sent_bytes_per_step']:,} bytes of messages from rank 0 (rank 1's "
+        f"shard: token ids and per-token lists)",
         f"bare all_sum of the gradient between the 2 local ranks: "
         f"{two['bare_all_sum_s'] * 1e3:.2f} ms = {share:.4%} of the 2-rank step",
         *[f"projected, two such machines over {k}: step {v['step_s']:.2f} s, communication "
@@ -179,7 +187,8 @@ def main() -> None:
           for k, v in projected.items()],
     ]
     report(lines, {**environment(args.model, load), "one_rank": one, "two_ranks": two,
-                   "projected": projected, "turns": args.turns, "tokens": args.tokens},
+                   "projected": projected, "turns": args.turns, "tokens": args.tokens,
+                   "link_latency_ms": args.link_latency_ms},
            args.out)
 
 

@@ -31,8 +31,9 @@ from rlproxy.lru import LRU
 from rlproxy.ops import metrics
 from rlproxy.ops.health import health
 from rlproxy.ops.progress import phase
+from rlproxy.ops.ranks import launched_rank
 from rlproxy.ops.ui.views import add_ui_routes, ui_context
-from rlproxy.pipeline import pipeline_context
+from rlproxy.pipeline import pipeline_context, ranks_context
 from rlproxy.remote.sampler import TinkerSampler
 from rlproxy.remote.service import base_model_name
 from rlproxy.serving.blas import blas_in_use
@@ -117,6 +118,8 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.App
     app[STARTED] = time.time()
     app[ADMISSION] = edge.Admission(settings.server.max_queued_requests)
     app[hosted_tools.WARNED] = LRU(hosted_tools.MAX_CLIENTS)
+    if launched_rank() is not None:  # mlx.launch: the other ranks first, last to go
+        app.cleanup_ctx.append(ranks_context(settings))
     app.cleanup_ctx.append(engine_context(settings, loaded))
     app.cleanup_ctx.append(pipeline_context(settings))  # store -> scorer -> trainer
     app.cleanup_ctx.append(response_store_context(settings))

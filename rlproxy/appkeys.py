@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from rlproxy.sessions.store import SessionStore
     from rlproxy.settings import Settings
     from rlproxy.training.loop import Trainer
+    from rlproxy.training.rank_link import Link
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 MODEL: web.AppKey[LoadedModel] = web.AppKey("model")
@@ -37,6 +38,7 @@ RESPONSES: web.AppKey[diskcache.Cache] = web.AppKey("responses")  # api/response
 METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")  # what GET /metrics exposes
 RECORD_INDEX: web.AppKey[RecordIndex] = web.AppKey("record_index")  # the dashboard's records
 ADMISSION: web.AppKey[Admission] = web.AppKey("admission")  # generation requests let in
+RANKS: web.AppKey[Link] = web.AppKey("ranks")  # under mlx.launch: rank 0's link to the others
 # under mlx.launch, asked on SIGTERM: why rank 0 serves on (a rank failed), or None to stop
 OUTLIVES: web.AppKey[Callable[[], str | None]] = web.AppKey("outlives")
 LIVE: web.AppKey[deque] = web.AppKey("live")  # the dashboard's recent rates (ops/ui/views.py)

@@ -127,11 +127,8 @@ def train_cmd(args: argparse.Namespace) -> int:
 
 
 def retrain(source: Path, settings) -> int:
-    from rlproxy.lru import LRU
-    from rlproxy.serving.model import load_serving_model
+    from rlproxy.training import distributed
     from rlproxy.training.items import released_turns
-    from rlproxy.training.learner import LearnerUnavailable, training_copy
-    from rlproxy.training.loop import Trainer
 
     with progress.phase("read the released turns"):
         turns = released_turns(source, settings.scoring.w_opd, settings.scoring.w_rl,
@@ -139,11 +136,25 @@ def retrain(source: Path, settings) -> int:
     if not turns:
         print(f"rlproxy: no scored turns released for training in {source}", file=sys.stderr)
         return 1
+    ranks = distributed.join(settings)  # under mlx.launch: the other ranks (else None)
+    try:
+        return retrain_on(turns, settings, ranks)
+    finally:
+        if ranks is not None:
+            distributed.leave(ranks)  # the other ranks exit
+
+
+def retrain_on(turns: list[dict], settings, ranks) -> int:
+    from rlproxy.lru import LRU
+    from rlproxy.serving.model import load_serving_model
+    from rlproxy.training.learner import LearnerUnavailable, training_copy
+    from rlproxy.training.loop import Trainer
+
     with progress.phase("loaded the model"):
         loaded = load_serving_model(settings.model, lora_seed=settings.trainer.train_seed)
     out = settings.records.data_dir
     trainer = Trainer(settings, training_copy(loaded), loaded.lora_config, data_dir=out,
-                      vocab_size=loaded.vocab_size)
+                      vocab_size=loaded.vocab_size, ranks=ranks)
     trainer.trained = LRU()  # retrain everything, whatever an earlier run did
     size = settings.trainer.batch_size
     try:
@@ -158,7 +169,6 @@ def retrain(source: Path, settings) -> int:
         return 1
     finally:
         trainer.writer.close()
-        trainer.learner.close()  # the other ranks of a launch exit
     print(f"{len(turns)} turns, {trainer.step} steps; adapter checkpoint: {path}")
     return 0
 

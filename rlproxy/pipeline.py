@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from rlproxy.appkeys import ENGINE, MODEL, OUTLIVES, SCORER, SESSIONS, TRAINER
+from rlproxy.appkeys import ENGINE, MODEL, OUTLIVES, RANKS, SCORER, SESSIONS, TRAINER
 from rlproxy.ops.progress import phase
 from rlproxy.remote.judge import TINKER, TinkerJudge
 from rlproxy.remote.learner import remote_learner
@@ -33,6 +33,7 @@ from rlproxy.settings import Settings
 from rlproxy.paths import RANK0_LOG
 from rlproxy.training import distributed
 from rlproxy.training.items import released_turns
+from rlproxy.training.rank_link import Link
 from rlproxy.training.learner import training_copy
 from rlproxy.training.loop import Trainer
 
@@ -45,11 +46,13 @@ class Pipeline:
     judges: list = field(default_factory=list)  # the judge/teacher backends, closed last
 
 
-def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine) -> Pipeline:
+def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine,
+                   ranks: Link | None = None) -> Pipeline:
     judge, teacher, judges = make_judges(settings, model, engine)
     trainer = scorer = None
     try:
-        trainer = make_trainer(settings, model, engine) if settings.trainer.train else None
+        trainer = (make_trainer(settings, model, engine, ranks) if settings.trainer.train
+                   else None)
         # a released item goes to the trainer (a thread-safe submit)
         scorer = Scorer(settings.scoring, settings.records.data_dir, judge, teacher,
                         model.tokenizer, fsync=settings.records.fsync,
@@ -103,7 +106,8 @@ def make_judges(settings: Settings, model: LoadedModel, engine: Engine):
         b for b in (service, remote, local) if b is not None]
 
 
-def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine) -> Trainer:
+def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine,
+                 ranks: Link | None = None) -> Trainer:
     with phase("made the trainer's model"):  # no local weights with --sampler tinker
         model = training_copy(loaded) if loaded.model is not None else None
     learner = None  # the local one; --trainer tinker: a Tinker service's (remote/learner.py)
@@ -112,7 +116,8 @@ def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine) -> Tra
             learner = remote_learner(settings, loaded, model)
     ref = load_base_model(settings.model)[0] if settings.trainer.kl_coef > 0 else None
     trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref,
-                      vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer, learner=learner)
+                      vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer, learner=learner,
+                      ranks=ranks)
     try:
         trainer.resume()
         if learner is not None:  # serve the run's newest weights (another replica's steps)
@@ -130,16 +135,30 @@ def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine) -> Tra
     return trainer
 
 
+def ranks_context(settings: Settings):
+    """Under mlx.launch with several ranks: rank 0's link to the gradient workers (for the
+    trainer and the Tinker API's training), up first and down last; SIGTERM asks it whether a
+    rank failed (api/server.py)."""
+    async def ctx(app: web.Application):
+        link = distributed.join(settings)  # start-up: nothing is served yet
+        if link is not None:
+            app[RANKS] = link
+            app[OUTLIVES] = functools.partial(distributed.outlive, link,
+                                              settings.records.data_dir / RANK0_LOG)
+        yield
+        if link is not None:
+            await asyncio.get_running_loop().run_in_executor(None, distributed.leave, link)
+
+    return ctx
+
+
 def pipeline_context(settings: Settings):
     async def ctx(app: web.Application):
         loop = asyncio.get_running_loop()
-        p = build_pipeline(settings, app[MODEL], app[ENGINE])
+        p = build_pipeline(settings, app[MODEL], app[ENGINE], app.get(RANKS))
         if p.trainer is not None:
             p.trainer.start()
             app[TRAINER] = p.trainer
-            if isinstance(p.trainer.learner, distributed.ParallelLearner):  # under mlx.launch
-                app[OUTLIVES] = functools.partial(distributed.outlive, p.trainer.learner,
-                                                  settings.records.data_dir / RANK0_LOG)
         app[SCORER], app[SESSIONS] = p.scorer, p.store
         scoring = asyncio.create_task(p.scorer.run())
         sweeper = asyncio.create_task(sweep_idle_forever(p.store))

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 import requests
 
 from rlproxy.cli import main
-from rlproxy.training.distributed import split
+from rlproxy.training.examples import shards
 from conftest import read_records
 
 TESTS = Path(__file__).resolve().parent
@@ -66,12 +67,13 @@ def relative_distances(a: dict, b: dict) -> dict[str, float]:
 
 def test_shards_are_balanced_by_tokens_and_keep_each_example_whole():
     examples = [{"ids": [0] * n, "name": i} for i, n in enumerate([100, 10, 60, 50, 30, 5])]
-    shards = split(examples, 2)
-    assert sorted(e["name"] for s in shards for e in s) == list(range(6))  # each once, whole
-    loads = [sum(len(e["ids"]) for e in s) for s in shards]
+    size = lambda e: len(e["ids"])  # noqa: E731
+    split = shards(examples, 2, size)
+    assert sorted(e["name"] for s in split for e in s) == list(range(6))  # each once, whole
+    loads = [sum(len(e["ids"]) for e in s) for s in split]
     assert loads == [130, 125]  # 100+30 | 60+50+10+5: longest first to the lighter shard
-    assert [e["name"] for e in shards[1]] == [1, 2, 3, 5]  # batch order kept within a shard
-    assert split(examples[:1], 3)[1:] == [[], []]  # fewer examples than ranks: empty shards
+    assert [e["name"] for e in split[1]] == [1, 2, 3, 5]  # batch order kept within a shard
+    assert shards(examples[:1], 3, size)[1:] == [[], []]  # fewer examples than ranks: empty
 
 
 @pytest.mark.slow
@@ -280,3 +282,49 @@ def test_a_hung_worker_rank_fails_the_step_within_the_timeout(tmp_path):
     failed = [line for line in read_records(tmp_path / "h", "train_journal.jsonl")
               if line["kind"] == "step_end" and not line["ok"]]
     assert failed and not any(line["charged"] for line in failed), failed
+
+
+@pytest.mark.slow
+def test_the_tinker_api_trains_on_two_ranks_as_on_one(tmp_path):
+    """An rlproxy learner (`--no-train`: the Tinker API that replicas train through) on 2 ranks:
+    a PPO forward_backward's loss and log-probs, and, after optim_step, the next batch's, equal
+    one process's within 1e-3; the second batch proves the other rank got the new weights."""
+    tinker = pytest.importorskip("tinker")
+    from tinker import types
+
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    texts = [[11, 250, 37, 802, 64, 19, 555, 3, 48, 900, 71, 26, 133, 1200, 9],
+             [40, 41, 600, 77, 12, 1000, 5, 388, 29],
+             [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24],
+             [300, 301, 302, 303, 304]]
+
+    def datum(ids: list[int], sign: float) -> types.Datum:
+        n = len(ids) - 1
+        return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+            "target_tokens": np.array(ids[1:], dtype=np.int64),
+            "logprobs": np.full(n, -5.0, dtype=np.float32),
+            "advantages": np.full(n, sign, dtype=np.float32)})
+
+    data = [datum(t, 1.0 if i % 2 else -1.0) for i, t in enumerate(texts)]
+    seen = {}
+    for ranks in (1, 2):
+        s = Served(tmp_path / f"t{ranks}", ranks, "--no-train")
+        try:
+            base = requests.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+            service = tinker.ServiceClient(base_url=s.url, api_key="tml-local")
+            tc = service.create_lora_training_client(base_model=base, rank=8, seed=0).result()
+            first = tc.forward_backward(data, "ppo").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            second = tc.forward_backward(data, "ppo").result()
+            seen[ranks] = [(fb.metrics["loss:sum"],
+                            [np.array(o["logprobs"].tolist()) for o in fb.loss_fn_outputs])
+                           for fb in (first, second)]
+        finally:
+            out = s.stop()
+        assert "[WARN] Node with rank" not in out, out[-3000:]
+    for (loss1, lps1), (loss2, lps2) in zip(seen[1], seen[2]):
+        assert loss2 == pytest.approx(loss1, abs=1e-3)
+        assert [len(x) for x in lps1] == [len(x) for x in lps2] == [len(t) - 1 for t in texts]
+        assert max(float(np.abs(a - b).max()) for a, b in zip(lps1, lps2)) <= 1e-3
+    (_, before), (_, after) = seen[2]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(before, after)) > 1e-3  # it stepped

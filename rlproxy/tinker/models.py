@@ -19,6 +19,7 @@ training/checkpoints.py's load_checkpoint reads them), which `rlproxy serve --ad
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ class Run:
     named: bool = False  # joined by name (user_metadata rlproxy_run); else one handle's own
     handles: set = field(default_factory=set)  # model ids bound to it
     last_used: float = 0.0  # time.monotonic() a client last joined or left (runs.py evicts)
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)  # this object, of all by `name`
 
     @property
     def rank(self) -> int:
@@ -64,7 +66,7 @@ class TinkerModel:
     """One client handle: its gradients since its last optim_step, and its request order."""
     model_id: str
     run: Run
-    batches: list = field(default_factory=list)  # (examples, loss, kwargs) since the last step
+    batches: list = field(default_factory=list)  # value_grads' batches since the last step
     grads: dict | None = None  # their summed gradients, taken at run version `grads_at`
     grads_at: int = -1
     next_seq: int = 1  # routes.py runs requests in seq_id order from here
@@ -171,9 +173,10 @@ def loss_kwargs(config: dict) -> dict:
     return kw
 
 
-def _value_grads(model: nn.Module, batch: tuple, backward: bool):
-    """(summed loss, per-datum log-probs, summed gradients or None) of one batch."""
-    examples, fn, kw = batch
+def value_grads(model: nn.Module, batch: tuple, backward: bool):
+    """(summed loss, per-datum log-probs, summed gradients or None) of one batch:
+    (examples, loss function, its keyword arguments, its name)."""
+    examples, fn, kw, _name = batch
 
     def datum_loss(model, ex):
         logp = token_logprobs(model, ex["ids"], ex["targets"])
@@ -194,7 +197,13 @@ def _value_grads(model: nn.Module, batch: tuple, backward: bool):
     return total, outputs, grads
 
 
-def forward_backward(tm: TinkerModel, req: dict, vocab: int, context: int):
+def here(run: Run, batch: tuple, backward: bool):
+    """`value_grads` on RUN's model in this process (under mlx.launch, tinker/ranks.py's
+    `value_grads` shares the batch out to every rank instead)."""
+    return value_grads(run.model, batch, backward)
+
+
+def forward_backward(tm: TinkerModel, req: dict, vocab: int, context: int, compute=None):
     """(per-datum log-probs as numpy, metrics) at the run's current weights. Unless
     forward_only, keeps the batch and adds its gradients to the handle's."""
     try:
@@ -202,8 +211,8 @@ def forward_backward(tm: TinkerModel, req: dict, vocab: int, context: int):
     except ValueError as e:
         raise UserError(str(e)) from None
     batch = (_examples(req["data"], req["loss_fn"], vocab, context), fn,
-             loss_kwargs(req["loss_fn_config"]))
-    total, outputs, g = _value_grads(tm.run.model, batch, not req["forward_only"])
+             loss_kwargs(req["loss_fn_config"]), req["loss_fn"])
+    total, outputs, g = (compute or here)(tm.run, batch, not req["forward_only"])
     if g is not None:
         if not tm.batches:
             tm.grads, tm.grads_at = g, tm.run.version
@@ -216,20 +225,20 @@ def forward_backward(tm: TinkerModel, req: dict, vocab: int, context: int):
     return outputs, {"loss:sum": total}
 
 
-def current_grads(tm: TinkerModel) -> dict:
+def current_grads(tm: TinkerModel, compute=None) -> dict:
     """The handle's gradients at the run's weights now: kept if taken at this version, else
     taken again, batch by batch in the order they came."""
     if tm.grads is not None and tm.grads_at == tm.run.version:
         return tm.grads
     grads = None
     for batch in tm.batches:
-        g = _value_grads(tm.run.model, batch, True)[2]
+        g = (compute or here)(tm.run, batch, True)[2]
         grads = g if grads is None else tree_map(mx.add, grads, g)
         mx.eval(grads)
     return grads
 
 
-def optim_step(tm: TinkerModel, adam: dict) -> dict:
+def optim_step(tm: TinkerModel, adam: dict, compute=None) -> dict:
     """Apply the handle's gradients to its run with this call's AdamW hyperparameters."""
     if not tm.batches:
         raise UserError(f"optim_step on {tm.model_id}: no forward_backward since the last "
@@ -239,7 +248,7 @@ def optim_step(tm: TinkerModel, adam: dict) -> dict:
     opt.betas = [float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95))]
     opt.eps = float(adam.get("eps", 1e-12))
     opt.weight_decay = float(adam.get("weight_decay", 0.0))
-    grads, clip = current_grads(tm), float(adam.get("grad_clip_norm") or 0.0)
+    grads, clip = current_grads(tm, compute), float(adam.get("grad_clip_norm") or 0.0)
     if clip > 0:
         grads, norm = optim.clip_grad_norm(grads, clip)
     else:

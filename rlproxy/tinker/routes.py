@@ -13,6 +13,7 @@ the app's own middleware (any key unless --api-key is set).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from pathlib import Path
@@ -21,10 +22,10 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.api.edge import json_response
-from rlproxy.appkeys import ENGINE, MODEL, SETTINGS
+from rlproxy.appkeys import ENGINE, MODEL, RANKS, SETTINGS
 from rlproxy.ops.health import served_names
 from rlproxy.serving.mlx_threads import Worker
-from rlproxy.tinker import models, runs, wire
+from rlproxy.tinker import models, ranks, runs, wire
 from rlproxy.tinker.archive import (
     delete_checkpoint, download_checkpoint, external_file, external_urls, list_checkpoints,
 )
@@ -209,7 +210,8 @@ async def forward_backward(request):
     loaded = st.loaded
 
     def run(tm, req):
-        out, metrics = models.forward_backward(tm, req, loaded.vocab_size, loaded.context_length)
+        out, metrics = models.forward_backward(tm, req, loaded.vocab_size, loaded.context_length,
+                                               st.compute)
         if not req["forward_only"]:
             st.forward_backward += 1
         return wire.encode_forward_backward(out, metrics)
@@ -221,7 +223,7 @@ async def optim_step(request):
     params = body.get("adam_params") or body.get("optim_params") or {}
 
     def step(tm, params):
-        answer = models.optim_step(tm, params)
+        answer = models.optim_step(tm, params, st.compute)
         st.optim_steps += 1
         return answer
     return sequenced(st, body.get("model_id"), body.get("seq_id"), step, params)
@@ -386,6 +388,8 @@ async def tinker_context(app: web.Application):
     samplers = Samplers(loaded, engine, worker)
     app[TINKER] = TinkerState(loaded, Path(settings.records.data_dir) / paths.TINKER,
                               settings.server.tinker_max_models, worker, samplers)
+    if RANKS in app:  # under mlx.launch: every rank computes a share of each batch
+        app[TINKER].compute = functools.partial(ranks.value_grads, app[RANKS])
     yield
     samplers.close()
     await asyncio.get_running_loop().run_in_executor(None, worker.stop)

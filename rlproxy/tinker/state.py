@@ -46,6 +46,7 @@ class TinkerState:
     forward_backward: int = 0  # calls that accumulated gradients (not forward-only ones)
     optim_steps: int = 0
     seen: dict = field(default_factory=dict)  # session id -> time.monotonic() of its last sign
+    compute: object = None  # models.value_grads' stand-in (under mlx.launch: tinker/ranks.py)
 
     def health(self) -> dict:
         return {"models": len(self.runs), "handles": len(self.models),

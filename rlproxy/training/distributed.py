@@ -40,8 +40,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from rlproxy.ops.ranks import launched_rank
 from rlproxy.serving.model import lora_weights
 from rlproxy.settings import Settings
+from rlproxy.training.examples import shards as examples_shards
 from rlproxy.training.learner import ForwardBackwardOutput, LocalLearner, OptimStepOutput
-from rlproxy.training.rank_link import Link, RankFailed
+from rlproxy.training.rank_link import Link, RankFailed, flat, reduce, unflat
 
 log = logging.getLogger(__name__)
 
@@ -62,22 +63,8 @@ def group():
 
 def check(settings: Settings) -> None:
     """ValueError for what several ranks cannot do: every rank but 0 only trains."""
-    if not settings.trainer.train:
-        raise ValueError("under mlx.launch every rank but 0 only trains: drop --no-train, or "
-                         "run one process")
     if settings.remote.trainer == "tinker":
         raise ValueError("--trainer tinker trains elsewhere: run one process, not mlx.launch")
-
-
-def split(examples: list[dict], ranks: int) -> list[list[dict]]:
-    """EXAMPLES in RANKS shards of about equal tokens: longest first, each to the lightest
-    shard (the lowest rank on a tie), keeping batch order within a shard."""
-    load, owner = [0] * ranks, {}
-    for i in sorted(range(len(examples)), key=lambda i: -len(examples[i]["ids"])):
-        r = min(range(ranks), key=lambda r: load[r])
-        owner[i] = r
-        load[r] += len(examples[i]["ids"])
-    return [[ex for i, ex in enumerate(examples) if owner[i] == r] for r in range(ranks)]
 
 
 # ---- a shard as message arrays ----
@@ -100,20 +87,6 @@ def unpack_examples(heads: list[dict], arrays: list[np.ndarray]) -> list[dict]:
         for k in h["floats"]:
             ex[k] = next(it).tolist()  # float32 values: what mx.array makes of rank 0's lists
         out.append(ex)
-    return out
-
-
-# ---- flat float32 vectors of a tree's arrays ----
-
-def flat(arrays: list[mx.array]) -> mx.array:
-    return mx.concatenate([a.astype(mx.float32).reshape(-1) for a in arrays])
-
-
-def unflat(vector: mx.array, like: list[mx.array]) -> list[mx.array]:
-    out, at = [], 0
-    for a in like:
-        out.append(vector[at:at + a.size].reshape(a.shape).astype(a.dtype))
-        at += a.size
     return out
 
 
@@ -154,16 +127,6 @@ def shard_gradients(learner: LocalLearner, shard: list[dict], n_tokens: int, key
     return [loss, kl, ent], out
 
 
-def reduce(link: Link, grads: list[mx.array] | None, like: list[mx.array],
-           figures: list[float]) -> tuple[list[mx.array], list[float]]:
-    """Sum gradients (zeros for an empty shard) and FIGURES over the ranks."""
-    parts = grads if grads is not None else [mx.zeros(a.shape, a.dtype) for a in like]
-    total = link.all_sum(mx.concatenate([flat(parts), mx.array(figures)]))
-    summed = unflat(total[:-len(figures)], like)
-    mx.eval(summed)  # here: a lazy array holds this thread's stream
-    return summed, total[-len(figures):].tolist()
-
-
 class ParallelLearner(LocalLearner):
     """Rank 0's learner: a LocalLearner whose forward_backward and optim_step run on every
     rank of the launch, each rank on its shard of the batch."""
@@ -179,20 +142,20 @@ class ParallelLearner(LocalLearner):
             # and mlx-lm's prefill clears it: a sum a rank stalls in would stall serving. With
             # no cache there is nothing to clear, and no wait.
             mx.set_cache_limit(0)
-        try:  # the others load the model meanwhile: the hello waits for them
-            answers = self.link.call("meeting the other ranks", self._hello, layout(self))
+        try:  # the others load the model meanwhile: this waits for them
+            with self.link.lock:
+                answers = self.link.call("meeting the other ranks", self._layout, layout(self))
         except RankFailed as e:  # serving goes on; each step says why it cannot train
             log.error("%s", e)
             return
-        wrong = [rank for rank, a in answers.items() if a.get("mismatch")]
+        wrong = [rank for rank, (a, _) in answers.items() if a.get("mismatch")]
         if wrong:
             raise ValueError(f"under mlx.launch: rank(s) {wrong} loaded another model or LoRA "
                              "layout than rank 0; give every rank the same --model and LoRA "
                              "flags")
 
-    def _hello(self, shape: list) -> dict[int, dict]:
-        self.link.accept()
-        self.link.tell({"op": "hello", "layout": shape})
+    def _layout(self, shape: list) -> dict:
+        self.link.tell({"op": "layout", "layout": shape})
         return self.link.answers()
 
     def health(self) -> dict:
@@ -204,8 +167,13 @@ class ParallelLearner(LocalLearner):
 
     def forward_backward(self, examples: list[dict],
                          between: Callable[[float], None]) -> ForwardBackwardOutput:
+        with self.link.lock:
+            return self._forward_backward(examples, between)
+
+    def _forward_backward(self, examples: list[dict],
+                          between: Callable[[float], None]) -> ForwardBackwardOutput:
         n_tokens = sum(e["tokens"] for e in examples)
-        shards = split(examples, self.link.size)
+        shards = examples_shards(examples, self.link.size, lambda e: len(e["ids"]))
         state = None
         if not self.synced:
             state = np.asarray(flat([v for _, v in state_items(self)]))
@@ -218,7 +186,8 @@ class ParallelLearner(LocalLearner):
         except Exception as e:  # the others hear of it, and drop the step
             error = e
         answers = self.link.call("waiting for the other ranks' shards", self.link.answers)
-        failed = [f"rank {r}: {a['error']}" for r, a in answers.items() if a["op"] == "failed"]
+        failed = [f"rank {r}: {a['error']}" for r, (a, _) in answers.items()
+                  if a["op"] == "failed"]
         if error is not None or failed:
             self.link.call("dropping the step", self.link.tell, {"op": "drop"})
             if error is not None:
@@ -241,29 +210,50 @@ class ParallelLearner(LocalLearner):
         return reduce(self.link, grads, self.like, figures)
 
     def optim_step(self, learning_rate: float) -> OptimStepOutput:
-        self.link.call("sending the step", self.link.tell,
-                       {"op": "optim_step", "learning_rate": learning_rate})
+        with self.link.lock:
+            self.link.call("sending the step", self.link.tell,
+                           {"op": "optim_step", "learning_rate": learning_rate})
         try:
             return super().optim_step(learning_rate)
         except BaseException:  # the others took the step: they get this rank's state next
             self.synced = False
             raise
 
-    def close(self) -> None:
-        try:
-            if not self.link.broken:
-                self.link.call("stopping the other ranks", self.link.tell, {"op": "stop"})
-        except RankFailed:
-            pass
-        self.link.close()
 
 
-def outlive(learner: ParallelLearner, log_path: Path) -> str | None:
+def join(settings: Settings) -> Link | None:
+    """Rank 0 of a launch of several ranks: its link to the others, once they called (a
+    broken one if they did not: serving goes on, training says why); None outside a launch."""
+    group_ = group()
+    if group_ is None:
+        return None
+    link = Link(group_, settings.trainer.distributed_timeout_s)
+    try:
+        with link.lock:
+            link.call("meeting the other ranks", link.accept)
+    except RankFailed as e:
+        log.error("%s", e)
+    log.info("rank 0 of %d: the other ranks compute gradients", link.size)
+    return link
+
+
+def leave(link: Link) -> None:
+    """Rank 0 stops: the others exit (0), then the connections close."""
+    try:
+        if not link.broken:
+            with link.lock:
+                link.call("stopping the other ranks", link.tell, {"op": "stop"})
+    except RankFailed:
+        pass
+    link.close()
+
+
+def outlive(link: Link, log_path: Path) -> str | None:
     """On SIGTERM or SIGHUP to rank 0 (api/server.py): mlx.launch sends it when another rank
     exits with an error, and then waits for rank 0 without reading its output. A broken group:
     this rank's output goes to LOG_PATH from now on, and the reason is returned (serving goes
     on); a sound one: None (the signal stops the server)."""
-    reason = learner.link.lost_rank()
+    reason = link.lost_rank()
     if reason is None:
         return None
     print(f"rlproxy: a rank of this launch failed ({reason}); mlx.launch asked rank 0 to stop, "
@@ -279,31 +269,37 @@ def outlive(learner: ParallelLearner, log_path: Path) -> str | None:
 
 def work(settings: Settings, link: Link) -> int:
     """A rank other than 0: meet rank 0, load the model as it does, then compute the shards it
-    is sent until it says stop (0) or goes away (1)."""
+    is sent (the trainer's, the Tinker API's) until it says stop (0) or goes away (1)."""
     from rlproxy.serving.model import load_base_model, load_serving_model
+    from rlproxy.tinker import ranks as tinker_ranks
     from rlproxy.training.learner import training_copy
 
     link.connect()
     t = settings.trainer
     loaded = load_serving_model(settings.model, lora_seed=t.train_seed)
-    ref = load_base_model(settings.model)[0] if t.kl_coef > 0 else None
-    learner = LocalLearner(settings, training_copy(loaded), loaded.lora_config, Path(os.devnull),
-                           ref)
-    keys, like = trainable(learner)
+    learner = keys = like = None  # the trainer's, made when rank 0's trainer asks
+    runs: dict = {}  # the Tinker API's runs this rank has weights of
     log.info("rank %d of %d: a gradient worker for rank 0", link.rank, link.size)
     try:
         while True:
             head, arrays = link.hear()
             op = head["op"]
             if op == "stop":
-                log.info("rank %d: rank 0 stopped training; exiting", link.rank)
+                log.info("rank %d: rank 0 stopped; exiting", link.rank)
                 return 0
-            if op == "hello":
-                link.answer({"op": "hello", "mismatch": head["layout"] != layout(learner)})
+            if op == "layout":
+                if learner is None:
+                    ref = load_base_model(settings.model)[0] if t.kl_coef > 0 else None
+                    learner = LocalLearner(settings, training_copy(loaded), loaded.lora_config,
+                                           Path(os.devnull), ref)
+                    keys, like = trainable(learner)
+                link.answer({"op": "layout", "mismatch": head["layout"] != layout(learner)})
             elif op == "optim_step":
                 learner.optim_step(head["learning_rate"])
             elif op == "forward_backward":
                 step(link, learner, head, arrays, keys, like)
+            elif op == "tinker":
+                tinker_ranks.shard(link, loaded, runs, head, arrays)
             else:
                 raise ValueError(f"rank {link.rank}: unknown message {op!r} from rank 0")
     except (ConnectionError, RuntimeError) as e:  # RuntimeError: MLX's, from a broken sum

@@ -81,3 +81,15 @@ def no_signal(examples: list[dict], t: TrainerSettings) -> str | None:
         return None
     return (f"every advantage of its {sum(len(e['uids']) for e in examples)} turns is 0 (equal "
             "rewards, no teacher signal): no optimizer step, no new adapter version")
+
+
+def shards(items: list, ranks: int, size) -> list[list]:
+    """ITEMS in RANKS shards of about equal SIZE(item) (tokens): longest first, each to the
+    lightest shard (the lowest rank on a tie), keeping the items' order within a shard. A
+    packed session is one item, so it stays on one rank (training/distributed.py)."""
+    load, owner = [0] * ranks, {}
+    for i in sorted(range(len(items)), key=lambda i: -size(items[i])):
+        r = min(range(ranks), key=lambda r: load[r])
+        owner[i] = r
+        load[r] += size(items[i])
+    return [[x for i, x in enumerate(items) if owner[i] == r] for r in range(ranks)]

@@ -90,18 +90,17 @@ class Trainer(Control, RemoteSync):
 
     def __init__(self, settings: Settings, model: nn.Module | None, lora_config: dict,
                  engine=None, data_dir: Path | None = None, ref_model: nn.Module | None = None,
-                 vocab_size: int | None = None, tokenizer=None, learner=None):
+                 vocab_size: int | None = None, tokenizer=None, learner=None, ranks=None):
         t = settings.trainer
         self.vocab_size = vocab_size  # token ids must be below it (None: not checked)
         self.t, self.settings, self.engine = t, settings, engine
         self.data_dir = Path(data_dir or settings.records.data_dir)
-        # the learner in this process, or one elsewhere (remote/learner.py) behind its calls
-        ranks = distributed.group() if learner is None else None  # under mlx.launch
+        # the learner in this process, on the ranks of an mlx.launch (RANKS: rank 0's link to
+        # the others, training/distributed.py), or elsewhere (remote/learner.py)
         self.learner = learner or (
             LocalLearner(settings, model, lora_config, self.data_dir / CHECKPOINTS, ref_model)
             if ranks is None else distributed.ParallelLearner(
-                settings, model, lora_config, self.data_dir / CHECKPOINTS, ref_model,
-                distributed.Link(ranks, t.distributed_timeout_s)))
+                settings, model, lora_config, self.data_dir / CHECKPOINTS, ref_model, ranks))
         self.remote = settings.remote.trainer == "tinker"
         # what the step applies: a remote learner's ppo is Tinker's, clipped against the
         # behaviour log-probs; the other losses have no clip to decouple (training/losses.py)

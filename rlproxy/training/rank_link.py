@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -93,6 +94,10 @@ class Link:
         self.reduced_bytes = 0  # all_sum payload since the start (bench/distributed.py)
         self.sent_bytes = 0  # messages rank 0 sent
         self.peers: dict[int, socket.socket] = {}  # rank 0: each other rank's connection
+        # held by rank 0 from a conversation's first message to its last (the trainer's and
+        # the Tinker API's steps share the ranks)
+        self.lock = threading.Lock()
+        self.tinker_seen: dict = {}  # rank 0: (rank, run name) -> the run state it holds
         self._worker = Worker("rlproxy-ranks", mx.cpu) if self.rank == 0 else None
         # the sums run on the CPU (the ring's): that thread's own stream, else this one's
         self._stream = None if self._worker is not None else mx.cpu
@@ -141,9 +146,9 @@ class Link:
                 send_frame(sock, data)
                 self.sent_bytes += len(data)
 
-    def answers(self) -> dict[int, dict]:
-        """Each other rank's next message (its head; they send no arrays)."""
-        return {rank: unpack(recv_frame(sock))[0] for rank, sock in sorted(self.peers.items())}
+    def answers(self) -> dict[int, tuple[dict, list[np.ndarray]]]:
+        """Each other rank's next message."""
+        return {rank: unpack(recv_frame(sock)) for rank, sock in sorted(self.peers.items())}
 
     def lost_rank(self) -> str | None:
         """Why the group is broken, or None; a rank that exited has closed its connection
@@ -171,8 +176,8 @@ class Link:
     def hear(self) -> tuple[dict, list[np.ndarray]]:
         return unpack(recv_frame(self.to_rank0))
 
-    def answer(self, head: dict) -> None:
-        send_frame(self.to_rank0, pack(head))
+    def answer(self, head: dict, arrays: list[np.ndarray] = ()) -> None:
+        send_frame(self.to_rank0, pack(head, arrays))
 
     # ---- every rank ----
 
@@ -187,3 +192,27 @@ class Link:
             sock.close()
         if self._worker is not None:  # a hung exchange keeps its (daemon) thread
             self._worker.stop(wait_s=0 if self.broken else 5)
+
+
+# ---- flat float32 vectors of a tree's arrays ----
+
+def flat(arrays: list[mx.array]) -> mx.array:
+    return mx.concatenate([a.astype(mx.float32).reshape(-1) for a in arrays])
+
+
+def unflat(vector: mx.array, like: list[mx.array]) -> list[mx.array]:
+    out, at = [], 0
+    for a in like:
+        out.append(vector[at:at + a.size].reshape(a.shape).astype(a.dtype))
+        at += a.size
+    return out
+
+
+def reduce(link: Link, grads: list[mx.array] | None, like: list[mx.array],
+           figures: list[float]) -> tuple[list[mx.array], list[float]]:
+    """Sum gradients (zeros for an empty shard) and FIGURES over the ranks."""
+    parts = grads if grads is not None else [mx.zeros(a.shape, a.dtype) for a in like]
+    total = link.all_sum(mx.concatenate([flat(parts), mx.array(figures)]))
+    summed = unflat(total[:-len(figures)], like)
+    mx.eval(summed)  # here: a lazy array holds this thread's stream
+    return summed, total[-len(figures):].tolist()
