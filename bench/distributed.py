@@ -82,15 +82,14 @@ def run_rank(args) -> None:
     from rlproxy.training import distributed
     from rlproxy.training.learner import LocalLearner, training_copy
 
-    settings = load_settings({"model": args.model, "train_seed": 0,
-                              "data_dir": tempfile.mkdtemp()}, environ={})
+    settings = load_settings({"model": args.model, "train_seed": 0, "data_dir": tempfile.mkdtemp(),
+                              "distributed_timeout_s": 3600}, environ={})
     group = distributed.group()
-    link = distributed.Link(group, 600.0 if group.rank() == 0 else None) if group else None
     loaded = load_serving_model(settings.model, lora_seed=0)
     model = training_copy(loaded)
     n_params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
-    bare = None
-    if link is not None:  # a bare all_sum of the gradient's size, before the learner's protocol
+    bare = link = None
+    if group is not None:  # a bare all_sum of the gradient's size, before the learner's protocol
         x = mx.zeros((n_params + 3,))  # the gradient and loss, KL, entropy
         times = []
         for _ in range(5):
@@ -101,6 +100,7 @@ def run_rank(args) -> None:
         if group.rank() != 0:
             distributed.work(settings, distributed.Link(group, None))
             return
+        link = distributed.join(settings)
     path = Path(settings.records.data_dir) / "checkpoints"
     learner = (LocalLearner(settings, model, loaded.lora_config, path) if link is None else
                distributed.ParallelLearner(settings, model, loaded.lora_config, path, None, link))
@@ -114,7 +114,8 @@ def run_rank(args) -> None:
         steps.append({"s": time.perf_counter() - tic,
                       "reduced_bytes": (link.reduced_bytes - before[0]) if link else 0,
                       "sent_bytes": (link.sent_bytes - before[1]) if link else 0})
-    learner.close()
+    if link is not None:
+        distributed.leave(link)
     timed = steps[1:]  # the first compiles and warms the caches
     step_s = statistics.median(s["s"] for s in timed)
     tokens = args.turns * args.tokens

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_map
 import numpy as np
 import pytest
 import requests
@@ -74,6 +75,35 @@ def test_shards_are_balanced_by_tokens_and_keep_each_example_whole():
     assert loads == [130, 125]  # 100+30 | 60+50+10+5: longest first to the lighter shard
     assert [e["name"] for e in split[1]] == [1, 2, 3, 5]  # batch order kept within a shard
     assert shards(examples[:1], 3, size)[1:] == [[], []]  # fewer examples than ranks: empty
+
+
+def test_a_resumed_learner_sends_its_state_in_the_order_a_fresh_one_reads_it(tmp_path):
+    """The state rank 0 sends after a resume or rollback (adapter + AdamW moments) is read by a
+    worker whose optimizer was never loaded: both must list it in one order, or the moments
+    land on the wrong tensors (a loaded checkpoint's state comes back in another order)."""
+    from rlproxy.serving.model import load_serving_model
+    from rlproxy.settings import ModelSettings, load_settings
+    from rlproxy.training.distributed import set_state, state_items
+    from rlproxy.training.learner import LocalLearner, training_copy
+    from rlproxy.training.rank_link import flat
+
+    settings = load_settings({"model": "tiny", "data_dir": str(tmp_path)}, environ={})
+    loaded = load_serving_model(ModelSettings(model="tiny"), lora_seed=0)
+
+    def learner() -> LocalLearner:
+        return LocalLearner(settings, training_copy(loaded), loaded.lora_config,
+                            tmp_path / "checkpoints")
+
+    trained, fresh = learner(), learner()
+    trained.accumulate(tree_map(lambda p: p * 3 + 1, trained.model.trainable_parameters()))
+    trained.optim_step(1e-3)  # moments that differ from tensor to tensor of one shape
+    resumed = learner()
+    resumed.load_state(trained.save_state(1, 1, {}))
+    sent = state_items(resumed)
+    assert [k for k, _ in sent] == [k for k, _ in state_items(fresh)]
+    set_state(fresh, flat([v for _, v in sent]))  # what a worker does with it
+    for (k, a), (_, b) in zip(state_items(trained), state_items(fresh)):
+        assert mx.array_equal(a, b).item(), k
 
 
 @pytest.mark.slow
@@ -217,6 +247,7 @@ def test_a_live_server_on_two_ranks_serves_what_one_process_trains(tmp_path):
             served[ranks] = probe(s)
             assert h["trainer"]["error"] is None
             assert h["trainer"].get("ranks") == (2 if ranks == 2 else None)
+            assert h["ranks"] == {"size": ranks, "error": None}
         finally:
             out = s.stop()
         assert "[WARN] Node with rank" not in out, out[-3000:]
@@ -242,6 +273,7 @@ def test_a_killed_worker_rank_pauses_training_and_serving_goes_on(tmp_path):
         os.kill(s.rank(1), signal.SIGKILL)
         h = s.wait(lambda h: h["trainer"]["ranks_error"] is not None, timeout=60)
         assert "rank 1 exited" in h["trainer"]["ranks_error"], h
+        assert h["ranks"] == {"size": 2, "error": h["trainer"]["ranks_error"]}
         s.chat("still there?", seed=1)  # serving goes on
         s.turns(4)
         h = s.wait(lambda h: (h["trainer"]["error"] or "").startswith(

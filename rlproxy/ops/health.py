@@ -20,7 +20,7 @@ from aiohttp import web
 
 from rlproxy import records
 from rlproxy.appkeys import (
-    ADMISSION, ENGINE, MODEL, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER,
+    ADMISSION, ENGINE, MODEL, RANKS, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER,
 )
 from rlproxy.tinker.state import TINKER
 
@@ -58,6 +58,9 @@ def health(app: web.Application, blas: str) -> tuple[dict, int]:
         "uptime_s": round(time.time() - app[STARTED], 1),
         "disk": {"failing": failing},
         "tinker": tinker_health(app),
+        # under mlx.launch: the ranks and, once one failed, why (training waits, serving goes on)
+        "ranks": ({"size": app[RANKS].size, "error": app[RANKS].broken} if RANKS in app
+                  else {"size": 1, "error": None}),
     }
     return body, 200 if ok else 503
 

@@ -38,26 +38,33 @@ def value_grads(link: Link, run: models.Run, batch: tuple, backward: bool):
     weights = sorted(lora_weights(run.model).items())
     keys, like = zip(*tree_flatten(run.model.trainable_parameters())) if backward else ((), ())
     with link.lock:
-        link.call("sending the Tinker shards", send, link, run, parts, rows, weights, name, kw,
-                  backward)
-        error = None
-        try:
-            total, outputs, grads = models.value_grads(
-                run.model, ([examples[i] for i in parts[0]], fn, kw, name), backward)
-        except Exception as e:  # the others hear of it, and drop the batch
-            error, total, outputs, grads = e, 0.0, [], None
-        answers = link.call("waiting for the other ranks' Tinker shards", link.answers)
-        failed = [f"rank {r}: {a['error']}" for r, (a, _) in answers.items()
-                  if a["op"] == "failed"]
-        if error is not None or failed:
+        for attempt in (1, 2):  # a rank that dropped the run's weights gets them again
+            link.call("sending the Tinker shards", send, link, run, parts, rows, weights, name,
+                      kw, backward)
+            error = None
+            try:
+                total, outputs, grads = models.value_grads(
+                    run.model, ([examples[i] for i in parts[0]], fn, kw, name), backward)
+            except Exception as e:  # the others hear of it, and drop the batch
+                error, total, outputs, grads = e, 0.0, [], None
+            answers = link.call("waiting for the other ranks' Tinker shards", link.answers)
+            stale = [r for r, (a, _) in answers.items() if a["op"] == "stale"]
+            failed = [f"rank {r}: {a['error']}" for r, (a, _) in answers.items()
+                      if a["op"] == "failed"]
+            if error is None and not failed and not stale:
+                break
             link.call("dropping the batch", link.tell, {"op": "drop"})
             if error is not None:
                 raise error
-            raise RuntimeError("the batch failed on " + "; ".join(failed))
+            if failed or attempt == 2:
+                raise RuntimeError("the batch failed on " + "; ".join(
+                    failed or [f"rank {r}: no weights of run {run.name}" for r in stale]))
+            for r in stale:
+                link.tinker_seen.pop((r, run.name), None)
         if backward:
             flat_grads = None if grads is None else [dict(tree_flatten(grads))[k] for k in keys]
-            summed, _ = link.call("summing the Tinker gradients", sum_now, link, flat_grads,
-                                  list(like))
+            summed = link.call("summing the Tinker gradients", sum_now, link, flat_grads,
+                               list(like))
             grads = tree_unflatten(list(zip(keys, summed)))
         else:
             link.call("ending the forward pass", link.tell, {"op": "done"})
@@ -65,7 +72,7 @@ def value_grads(link: Link, run: models.Run, batch: tuple, backward: bool):
     for i, out in zip(parts[0], outputs):
         logprobs[i] = out
     for rank, (head, arrays) in answers.items():
-        total += head["loss"]
+        total += float("nan") if head["loss"] is None else head["loss"]  # NaN: JSON null
         for i, out in zip(parts[rank], arrays):
             logprobs[i] = np.array(out, dtype=np.float32)
     return total, logprobs, grads
@@ -78,6 +85,7 @@ def send(link: Link, run, parts, rows, weights, name, kw, backward) -> None:
         fresh = seen.get((rank, run.name)) != (run.uid, run.version)
         head = {"op": "tinker", "run": run.name, "config": run.lora_config, "loss_fn": name,
                 "kwargs": kw, "backward": backward, "n": len(parts[rank]), "weights": fresh,
+                "state": [run.uid, run.version],
                 "keys": [k for k, _ in weights] if fresh else [],
                 "shapes": [list(v.shape) for _, v in weights] if fresh else []}
         arrays = [np.asarray(v.astype(mx.float32)) for _, v in weights] if fresh else []
@@ -87,30 +95,37 @@ def send(link: Link, run, parts, rows, weights, name, kw, backward) -> None:
 
 def sum_now(link: Link, grads, like):
     link.tell({"op": "sum"})  # every rank enters the sum now
-    return reduce(link, grads, like, [0.0])
+    return reduce(link, grads, like)
 
 
 def shard(link: Link, loaded, runs: dict, head: dict, arrays: list) -> None:
-    """A rank other than 0: its shard of a Tinker batch (RUNS: the runs it has models of)."""
-    entry = runs.get(head["run"])
-    if entry is None or entry["config"] != head["config"]:
-        if len(runs) >= KEEP_RUNS:
-            runs.pop(next(iter(runs)))
-        entry = runs[head["run"]] = {"config": head["config"],
-                                     "model": models.lora_model(loaded, head["config"])}
-    model, it = entry["model"], iter(arrays)
-    if head["weights"]:
-        current = dict(tree_flatten(model.parameters()))
-        model.update(tree_unflatten([
-            (k, mx.array(next(it)).reshape(shape).astype(current[k].dtype))
-            for k, shape in zip(head["keys"], head["shapes"])]))
-    examples = [{k: mx.array(next(it))[None] for k in PER_DATUM} for _ in range(head["n"])]
-    grads = None
+    """A rank other than 0: its shard of a Tinker batch (RUNS: the runs it has models of).
+    A run it dropped (past KEEP_RUNS) and is not sent the weights of again is `stale`: rank 0
+    sends them then."""
+    grads = model = None
     try:
-        fn = losses.policy_loss(head["loss_fn"])
-        total, outputs, grads = models.value_grads(
-            model, (examples, fn, head["kwargs"], head["loss_fn"]), head["backward"])
-        link.answer({"op": "ready", "loss": total}, outputs)
+        entry = runs.get(head["run"])
+        if entry is None or entry["config"] != head["config"]:
+            if len(runs) >= KEEP_RUNS:
+                runs.pop(next(iter(runs)))
+            entry = runs[head["run"]] = {"config": head["config"], "state": None,
+                                         "model": models.lora_model(loaded, head["config"])}
+        model, it = entry["model"], iter(arrays)
+        if head["weights"]:
+            current = dict(tree_flatten(model.parameters()))
+            model.update(tree_unflatten([
+                (k, mx.array(next(it)).reshape(shape).astype(current[k].dtype))
+                for k, shape in zip(head["keys"], head["shapes"])]))
+            entry["state"] = head["state"]
+        if entry["state"] != head["state"]:
+            link.answer({"op": "stale"})
+        else:
+            examples = [{k: mx.array(next(it))[None] for k in PER_DATUM}
+                        for _ in range(head["n"])]
+            fn = losses.policy_loss(head["loss_fn"])
+            total, outputs, grads = models.value_grads(
+                model, (examples, fn, head["kwargs"], head["loss_fn"]), head["backward"])
+            link.answer({"op": "ready", "loss": total}, outputs)
     except Exception as e:
         log.exception("rank %d: the Tinker shard failed", link.rank)
         link.answer({"op": "failed", "error": f"{type(e).__name__}: {e}"[:2000]})
@@ -118,4 +133,4 @@ def shard(link: Link, loaded, runs: dict, head: dict, arrays: list) -> None:
         return
     keys, like = zip(*tree_flatten(model.trainable_parameters()))
     flat_grads = None if grads is None else [dict(tree_flatten(grads))[k] for k in keys]
-    reduce(link, flat_grads, list(like), [0.0])
+    reduce(link, flat_grads, list(like))

@@ -4,12 +4,12 @@
 command on every rank. Rank 0 does all that one process does: HTTP, records, the trainer loop,
 checkpoints. Its learner is a ParallelLearner: each forward_backward splits the batch into one
 shard per rank, balanced by tokens (a packed session is one example, so it stays on one rank),
-sends the other ranks theirs, computes its own, and sums gradients and loss figures over the
-ranks with one `all_sum`. Every rank applies the identical AdamW update (optim_step is sent to
+sends the other ranks theirs, computes its own, and sums the gradients over the ranks with one
+`all_sum` (the loss figures come back in the ranks' answers). Every rank applies the identical AdamW update (optim_step is sent to
 the others too), so the adapters stay equal without being shipped; after anything else changes
 rank 0's state (a resumed checkpoint, a rollback, the eval gate's measurements) the next call
 sends the whole state first. The other ranks run `work`: a gradient worker on its own copy of
-the model, with no HTTP and no data dir.
+the model, with no HTTP and no data dir, for the trainer and the Tinker API (tinker/ranks.py).
 
 Exact: every rank divides its examples' losses by the whole batch's trained tokens, and the
 figures are sums, so a step equals one process's up to the order of summation.
@@ -17,7 +17,8 @@ figures are sums, so a step equals one process's up to the order of summation.
 Failure: each exchange on rank 0 is waited for at most `distributed_timeout_s` (training/
 rank_link.py). Past that, or on an error (a rank that exits closes its connection), the group is
 broken for good: RankFailed, a LearnerUnavailable, so the batch waits with no turn charged,
-/healthz says what failed, and serving goes on. mlx.launch SIGTERMs rank 0 when another rank
+/healthz says what failed, and serving goes on. A rank whose shard raises fails the step on
+every rank (ShardFailed: retried, charged only as a learner's repeated failure). mlx.launch SIGTERMs rank 0 when another rank
 exits with an error: rank 0 then serves on (`outlive`). Training resumes when the launch is
 restarted.
 
@@ -41,7 +42,9 @@ from rlproxy.ops.ranks import launched_rank
 from rlproxy.serving.model import lora_weights
 from rlproxy.settings import Settings
 from rlproxy.training.examples import shards as examples_shards
-from rlproxy.training.learner import ForwardBackwardOutput, LocalLearner, OptimStepOutput
+from rlproxy.training.learner import (
+    ForwardBackwardOutput, LearnerFailed, LocalLearner, OptimStepOutput,
+)
 from rlproxy.training.rank_link import Link, RankFailed, flat, reduce, unflat
 
 log = logging.getLogger(__name__)
@@ -49,8 +52,10 @@ log = logging.getLogger(__name__)
 FLOATS = ("old", "adv", "mask", "prox")  # an example's per-position lists, sent as float32
 
 
-class ShardFailed(RuntimeError):
-    """A rank could not compute its shard: every rank dropped the step (the group is sound)."""
+class ShardFailed(LearnerFailed):
+    """Another rank could not compute its shard: every rank dropped the step (the group is
+    sound). Retried like a learner's own failure: its turns are charged only after
+    LEARNER_FAILED_TRIES in a row (a worker short of memory is not the turns' fault)."""
 
 
 def group():
@@ -93,7 +98,8 @@ def unpack_examples(heads: list[dict], arrays: list[np.ndarray]) -> list[dict]:
 def state_items(learner: LocalLearner) -> list[tuple[str, mx.array]]:
     """The adapter and the optimizer state, in one order on every rank."""
     return ([("adapter." + k, v) for k, v in sorted(lora_weights(learner.model).items())]
-            + [("optimizer." + k, v) for k, v in tree_flatten(learner.optimizer.state)])
+            # sorted: a loaded checkpoint's state comes in another order than a fresh one's
+            + [("optimizer." + k, v) for k, v in sorted(tree_flatten(learner.optimizer.state))])
 
 
 def layout(learner: LocalLearner) -> list:
@@ -108,6 +114,11 @@ def set_state(learner: LocalLearner, vector: mx.array) -> None:
     opt = [(k.removeprefix("optimizer."), v) for (k, _), v in zip(items, values)
            if k.startswith("optimizer.")]
     learner.restore({"adapter": adapter, "optimizer": tree_unflatten(opt)})
+
+
+def number(x) -> float:
+    """A figure from a message: JSON has no NaN (orjson writes null), one process would sum it."""
+    return float("nan") if x is None else float(x)
 
 
 def trainable(learner: LocalLearner) -> tuple[list[str], list[mx.array]]:
@@ -155,7 +166,7 @@ class ParallelLearner(LocalLearner):
                              "flags")
 
     def _layout(self, shape: list) -> dict:
-        self.link.tell({"op": "layout", "layout": shape})
+        self.link.tell({"op": "layout", "layout": shape, "kl": self.ref_model is not None})
         return self.link.answers()
 
     def health(self) -> dict:
@@ -193,8 +204,10 @@ class ParallelLearner(LocalLearner):
             if error is not None:
                 raise error  # rank 0's own failure, as one process would raise it
             raise ShardFailed("the step failed on " + "; ".join(failed))
-        summed, figures = self.link.call("summing the gradients", self._sum, grads, figures)
+        summed = self.link.call("summing the gradients", self._sum, grads)
         self.accumulate(tree_unflatten(list(zip(self.keys, summed))))
+        for head, _ in answers.values():  # loss, KL, entropy: summed here, in float64
+            figures = [a + number(b) for a, b in zip(figures, head["figures"])]
         return ForwardBackwardOutput(*figures, n_tokens,
                                      [sum(len(e["ids"]) for e in s) for s in shards])
 
@@ -205,9 +218,9 @@ class ParallelLearner(LocalLearner):
                             "sync": state is not None},
                            arrays + ([state] if state is not None else []), to=rank)
 
-    def _sum(self, grads, figures):
+    def _sum(self, grads):
         self.link.tell({"op": "sum"})  # every rank enters the sum now, none waits in it long
-        return reduce(self.link, grads, self.like, figures)
+        return reduce(self.link, grads, self.like)
 
     def optim_step(self, learning_rate: float) -> OptimStepOutput:
         with self.link.lock:
@@ -274,13 +287,13 @@ def work(settings: Settings, link: Link) -> int:
     from rlproxy.tinker import ranks as tinker_ranks
     from rlproxy.training.learner import training_copy
 
-    link.connect()
     t = settings.trainer
-    loaded = load_serving_model(settings.model, lora_seed=t.train_seed)
     learner = keys = like = None  # the trainer's, made when rank 0's trainer asks
     runs: dict = {}  # the Tinker API's runs this rank has weights of
-    log.info("rank %d of %d: a gradient worker for rank 0", link.rank, link.size)
     try:
+        link.connect()
+        loaded = load_serving_model(settings.model, lora_seed=t.train_seed)
+        log.info("rank %d of %d: a gradient worker for rank 0", link.rank, link.size)
         while True:
             head, arrays = link.hear()
             op = head["op"]
@@ -288,8 +301,8 @@ def work(settings: Settings, link: Link) -> int:
                 log.info("rank %d: rank 0 stopped; exiting", link.rank)
                 return 0
             if op == "layout":
-                if learner is None:
-                    ref = load_base_model(settings.model)[0] if t.kl_coef > 0 else None
+                if learner is None:  # with a KL reference model where rank 0 has one
+                    ref = load_base_model(settings.model)[0] if head["kl"] else None
                     learner = LocalLearner(settings, training_copy(loaded), loaded.lora_config,
                                            Path(os.devnull), ref)
                     keys, like = trainable(learner)
@@ -312,16 +325,16 @@ def step(link: Link, learner: LocalLearner, head: dict, arrays: list, keys: list
     says every rank has one."""
     if head["sync"]:
         set_state(learner, mx.array(arrays.pop()))
-    figures, grads = [0.0, 0.0, 0.0], None
+    grads = None
     try:
         shard = unpack_examples(head["examples"], arrays)
         figures, grads = shard_gradients(learner, shard, head["n_tokens"], keys,
                                          lambda _s: None)
-        link.answer({"op": "ready"})
+        link.answer({"op": "ready", "figures": figures})
     except Exception as e:
         log.exception("rank %d: the shard failed", link.rank)
         link.answer({"op": "failed", "error": f"{type(e).__name__}: {e}"[:2000]})
     if link.hear()[0]["op"] != "sum":  # "drop": a rank failed, no one takes this step
         return
-    summed, _ = reduce(link, grads, like, figures)
+    summed = reduce(link, grads, like)
     learner.accumulate(tree_unflatten(list(zip(keys, summed))))

@@ -19,6 +19,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -57,13 +58,14 @@ def unpack(data: bytes) -> tuple[dict, list[np.ndarray]]:
 
 
 def rank0_host() -> str:
-    """Rank 0's address as the launch gave it: JACCL's coordinator, or the ring's hostfile."""
+    """Rank 0's address as the launch gave it: JACCL's coordinator, or the ring's hostfile
+    (else this machine: MPI on one machine)."""
+    address = None
     if coordinator := os.environ.get("MLX_JACCL_COORDINATOR"):
-        return coordinator.rsplit(":", 1)[0]
-    if hostfile := os.environ.get("MLX_HOSTFILE"):
-        hosts = json.loads(Path(hostfile).read_text())
-        return str(hosts[0][0]).rsplit(":", 1)[0]
-    return "127.0.0.1"
+        address = coordinator
+    elif hostfile := os.environ.get("MLX_HOSTFILE"):
+        address = str(json.loads(Path(hostfile).read_text())[0][0])
+    return address.rsplit(":", 1)[0].strip("[]") if address else "127.0.0.1"
 
 
 def send_frame(sock: socket.socket, data: bytes) -> None:
@@ -104,18 +106,20 @@ class Link:
 
     # ---- rank 0 ----
 
-    def call(self, what: str, fn: Callable, *args):
-        """FN(*ARGS) on the exchange thread, waited for at most timeout_s; RankFailed (and the
-        link broken for good) on an error or past the deadline. On another rank: here."""
+    def call(self, what: str, fn: Callable, *args, timeout_s: float | None = None):
+        """FN(*ARGS) on the exchange thread, waited for at most TIMEOUT_S (default: the
+        link's); RankFailed (and the link broken for good) on an error or past the deadline.
+        On another rank: here."""
         if self.broken:
             raise self.failure()
         if self._worker is None:
             return fn(*args)
         fut = self._worker.run(fn, *args)
+        wait = timeout_s or self.timeout_s
         try:
-            return fut.result(timeout=self.timeout_s)
+            return fut.result(timeout=wait)
         except concurrent.futures.TimeoutError:
-            self.broken = (f"{what}: the other ranks did not answer within {self.timeout_s:g} s "
+            self.broken = (f"{what}: the other ranks did not answer within {wait:g} s "
                            "(--distributed-timeout-s): a rank hangs or died")
         except Exception as e:
             self.broken = f"{what}: {type(e).__name__}: {e} (a rank died or left the launch)"
@@ -127,15 +131,27 @@ class Link:
                           "serving goes on")
 
     def accept(self) -> None:
-        """Rank 0: listen on a free port, tell it to the others (a sum), take their calls."""
-        with socket.create_server(("", 0)) as listener:
+        """Rank 0: listen on a free port of its launch address, tell it to the others (a sum),
+        take their calls (then it listens no more)."""
+        try:
+            listener = socket.create_server((rank0_host(), 0))
+        except OSError:
+            self.all_sum(mx.array([0], dtype=mx.int64))  # port 0: the others give up too
+            raise
+        with listener:
             port = listener.getsockname()[1]
             self.all_sum(mx.array([port], dtype=mx.int64))
             listener.settimeout(self.timeout_s)
             while len(self.peers) < self.size - 1:
                 conn, _ = listener.accept()
                 conn.settimeout(self.timeout_s)
-                (rank,) = struct.unpack("<I", recv_frame(conn))
+                try:
+                    (rank,) = struct.unpack("<I", recv_frame(conn))
+                except (OSError, struct.error):
+                    rank = -1
+                if not 0 < rank < self.size or rank in self.peers:  # not one of the ranks
+                    conn.close()
+                    continue
                 self.peers[rank] = conn
 
     def tell(self, head: dict, arrays: list[np.ndarray] = (), to: int | None = None) -> None:
@@ -157,10 +173,10 @@ class Link:
             if self.broken:
                 break
             try:
-                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                if not select.select([sock], [], [], 0)[0]:
+                    continue  # nothing to read: the rank is there (or hangs: not this check's)
+                if sock.recv(1, socket.MSG_PEEK) == b"":
                     self.broken = f"rank {rank} exited (its connection closed)"
-            except BlockingIOError:
-                continue
             except OSError as e:
                 self.broken = f"rank {rank}: {e}"
         return self.broken
@@ -170,6 +186,8 @@ class Link:
     def connect(self) -> None:
         """Learn rank 0's port (a sum), call it, and say which rank this is."""
         port = int(self.all_sum(mx.array([0], dtype=mx.int64)).item())
+        if port == 0:
+            raise ConnectionError(f"rank 0 could not listen on {rank0_host()}")
         self.to_rank0 = socket.create_connection((rank0_host(), port))
         send_frame(self.to_rank0, struct.pack("<I", self.rank))
 
@@ -208,11 +226,10 @@ def unflat(vector: mx.array, like: list[mx.array]) -> list[mx.array]:
     return out
 
 
-def reduce(link: Link, grads: list[mx.array] | None, like: list[mx.array],
-           figures: list[float]) -> tuple[list[mx.array], list[float]]:
-    """Sum gradients (zeros for an empty shard) and FIGURES over the ranks."""
+def reduce(link: Link, grads: list[mx.array] | None, like: list[mx.array]) -> list[mx.array]:
+    """Sum gradients over the ranks (zeros for an empty shard). The loss figures travel in
+    messages instead: summed on rank 0 in float64, as one process sums them."""
     parts = grads if grads is not None else [mx.zeros(a.shape, a.dtype) for a in like]
-    total = link.all_sum(mx.concatenate([flat(parts), mx.array(figures)]))
-    summed = unflat(total[:-len(figures)], like)
+    summed = unflat(link.all_sum(flat(parts)), like)
     mx.eval(summed)  # here: a lazy array holds this thread's stream
-    return summed, total[-len(figures):].tolist()
+    return summed
