@@ -90,7 +90,7 @@ def run_rank(args) -> None:
     n_params = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     bare = link = None
     if group is not None:  # a bare all_sum of the gradient's size, before the learner's protocol
-        x = mx.zeros((n_params + 3,))  # the gradient and loss, KL, entropy
+        x = mx.zeros((n_params,))  # the gradient
         times = []
         for _ in range(5):
             tic = time.perf_counter()
@@ -122,7 +122,7 @@ def run_rank(args) -> None:
     print("RESULT " + json.dumps({
         "ranks": group.size() if group else 1, "step_s": step_s, "tokens_per_s": tokens / step_s,
         "steps_s": [s["s"] for s in steps], "lora_parameters": n_params,
-        "gradient_bytes": (n_params + 3) * 4, "reduced_bytes_per_step": timed[-1]["reduced_bytes"],
+        "gradient_bytes": n_params * 4, "reduced_bytes_per_step": timed[-1]["reduced_bytes"],
         "sent_bytes_per_step": timed[-1]["sent_bytes"],
         "bare_all_sum_s": bare}), flush=True)
 
@@ -178,9 +178,9 @@ def main() -> None:
         f"1 rank : step {one['step_s']:.2f} s, {one['tokens_per_s']:.0f} tokens/s",
         f"2 ranks: step {two['step_s']:.2f} s, {two['tokens_per_s']:.0f} tokens/s "
         f"({one['step_s'] / two['step_s']:.2f}x; both ranks share this machine's cores)",
-        f"per step: {two['reduced_bytes_per_step']:,} bytes all-reduced (the gradient and 3 "
-        f"figures), {two['sent_bytes_per_step']:,} bytes of messages from rank 0 (rank 1's "
-        f"shard: token ids and per-token lists)",
+        f"per step: {two['reduced_bytes_per_step']:,} bytes all-reduced (the gradient), "
+        f"{two['sent_bytes_per_step']:,} bytes of messages from rank 0 (rank 1's shard: token "
+        f"ids and per-token lists)",
         f"bare all_sum of the gradient between the 2 local ranks: "
         f"{two['bare_all_sum_s'] * 1e3:.2f} ms = {share:.4%} of the 2-rank step",
         *[f"projected, two such machines over {k}: step {v['step_s']:.2f} s, communication "
