@@ -17,6 +17,13 @@ from launched import LAUNCH, Served
 pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
 
 
+def assert_failed_uncharged(data_dir) -> None:
+    """A step failed for the ranks' sake, and the poison-turn journal blamed no turn for it."""
+    failed = [line for line in read_records(data_dir, "train_journal.jsonl")
+              if line["kind"] == "step_end" and not line["ok"]]
+    assert failed and not any(line["charged"] for line in failed), failed
+
+
 @pytest.mark.slow
 def test_a_killed_worker_rank_pauses_training_and_serving_goes_on(tmp_path):
     """SIGKILL rank 1: mlx.launch then sends rank 0 SIGTERM, and rank 0 finds the ring broken,
@@ -43,9 +50,7 @@ def test_a_killed_worker_rank_pauses_training_and_serving_goes_on(tmp_path):
     log = (tmp_path / "d" / "rank0.log").read_text()
     assert "serves on with training paused" in out
     assert "SIGTERM: not stopping" in log
-    failed = [line for line in read_records(tmp_path / "d", "train_journal.jsonl")
-              if line["kind"] == "step_end" and not line["ok"]]
-    assert failed and not any(line["charged"] for line in failed), failed  # turns not blamed
+    assert_failed_uncharged(tmp_path / "d")
 
 
 @pytest.mark.slow
@@ -67,9 +72,7 @@ def test_a_hung_worker_rank_fails_the_step_within_the_timeout(tmp_path):
     finally:
         os.kill(worker, signal.SIGKILL)
         s.stop()
-    failed = [line for line in read_records(tmp_path / "h", "train_journal.jsonl")
-              if line["kind"] == "step_end" and not line["ok"]]
-    assert failed and not any(line["charged"] for line in failed), failed
+    assert_failed_uncharged(tmp_path / "h")
 
 
 @pytest.mark.slow
