@@ -34,6 +34,7 @@ from aiohttp import web
 
 from rlproxy.api.edge import both_shapes, error_response, json_response
 from rlproxy.appkeys import ADMISSION, OUTLIVES, SETTINGS, STOPPING
+from rlproxy.ops.ranks import launched_rank
 from rlproxy.protocol import APIError, shown
 from rlproxy.settings import ServerSettings
 
@@ -301,10 +302,11 @@ class AppRunner(web.AppRunner):
 
 
 def run_app(app: web.Application, *, host: str, port: int, print=print) -> None:
-    """Serve until SIGINT, SIGTERM or SIGHUP, then drain: stop accepting, let in-flight requests
-    finish for up to --drain-timeout-s, then set `app[STOPPING]` so the rest end now (a stream
-    with its API's error event, a waiting request with 503), give them STOP_GRACE_S to say so,
-    and run the app's cleanup (records and journal flushed). A second signal skips the drain.
+    """Serve until SIGINT or SIGTERM (`handled_signals`), then drain: stop accepting, let
+    in-flight requests finish for up to --drain-timeout-s, then set `app[STOPPING]` so the rest
+    end now (a stream with its API's error event, a waiting request with 503), give them
+    STOP_GRACE_S to say so, and run the app's cleanup (records and journal flushed). A second
+    signal skips the drain.
     Under mlx.launch (`app[OUTLIVES]`) a SIGTERM or SIGHUP first asks whether a rank failed:
     then rank 0 serves on, and only SIGINT stops it.
 
@@ -339,7 +341,8 @@ def run_app(app: web.Application, *, host: str, port: int, print=print) -> None:
             else:
                 log.warning("%s: not stopping: %s", sig.name, reason)
 
-        for sig in SIGNALS:
+        signals = handled_signals()
+        for sig in signals:
             loop.add_signal_handler(sig, on_signal, sig)
         runner = AppRunner(app, access_log=None, shutdown_timeout=STOP_GRACE_S)
         await runner.setup()
@@ -350,14 +353,20 @@ def run_app(app: web.Application, *, host: str, port: int, print=print) -> None:
             await drain(runner, app[SETTINGS].server.drain_timeout_s, stopping)
         finally:
             await runner.cleanup()  # handlers left after the grace are cancelled; cleanup_ctx
-            for sig in SIGNALS:
+            for sig in signals:
                 loop.remove_signal_handler(sig)
 
     asyncio.run(serve())
 
 
-# SIGHUP too: a closed terminal (or ssh, mlx.launch's remote ranks) drains like a stop
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+def handled_signals() -> tuple:
+    """SIGINT and SIGTERM; under mlx.launch SIGHUP too (a remote rank 0 gets it when the
+    launcher's ssh goes), unless it is ignored (nohup)."""
+    if launched_rank() is not None and signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        return (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    return (signal.SIGINT, signal.SIGTERM)
+
+
 STOP_GRACE_S = 5.0  # after STOPPING: for handlers to write their error event or 503
 
 

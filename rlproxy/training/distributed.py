@@ -5,11 +5,12 @@ command on every rank. Rank 0 does all that one process does: HTTP, records, the
 checkpoints. Its learner is a ParallelLearner: each forward_backward splits the batch into one
 shard per rank, balanced by tokens (a packed session is one example, so it stays on one rank),
 sends the other ranks theirs, computes its own, and sums the gradients over the ranks with one
-`all_sum` (the loss figures come back in the ranks' answers). Every rank applies the identical AdamW update (optim_step is sent to
-the others too), so the adapters stay equal without being shipped; after anything else changes
-rank 0's state (a resumed checkpoint, a rollback, the eval gate's measurements) the next call
-sends the whole state first. The other ranks run `work`: a gradient worker on its own copy of
-the model, with no HTTP and no data dir, for the trainer and the Tinker API (tinker/ranks.py).
+`all_sum` (the loss figures come back in the ranks' answers). Every rank applies the identical
+AdamW update (optim_step is sent to the others too), so the adapters stay equal without being
+shipped; after anything else changes rank 0's state (a resumed checkpoint, a rollback, the eval
+gate's measurements) the next call sends the whole state first. The other ranks run `work`: a
+gradient worker on its own copy of the model, with no HTTP and no data dir, for the trainer and
+for the Tinker API (tinker/ranks.py).
 
 Exact: every rank divides its examples' losses by the whole batch's trained tokens, and the
 figures are sums, so a step equals one process's up to the order of summation.
@@ -18,9 +19,9 @@ Failure: each exchange on rank 0 is waited for at most `distributed_timeout_s` (
 rank_link.py). Past that, or on an error (a rank that exits closes its connection), the group is
 broken for good: RankFailed, a LearnerUnavailable, so the batch waits with no turn charged,
 /healthz says what failed, and serving goes on. A rank whose shard raises fails the step on
-every rank (ShardFailed: retried, charged only as a learner's repeated failure). mlx.launch SIGTERMs rank 0 when another rank
-exits with an error: rank 0 then serves on (`outlive`). Training resumes when the launch is
-restarted.
+every rank (ShardFailed: retried, charged only as a learner's repeated failure). mlx.launch
+SIGTERMs rank 0 when another rank exits with an error: rank 0 then serves on (`outlive`).
+Training resumes when the launch is restarted.
 
 Not here: the messages and sums (training/rank_link.py); what a step trains (training/loop.py);
 one sequence's gradient (chunked_grad.py).
