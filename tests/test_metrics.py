@@ -102,6 +102,10 @@ def test_a_training_step_moves_the_trainer_metrics(keyed, tmp_path):
         assert value(before, "rlproxy_trainer_up") == 1
         run_sessions(s.url, 0, 1)
         wait_for_steps(s.url, 1)
+        deadline = time.monotonic() + 30  # a step's turns count once the step has returned
+        while requests.get(s.url + "/healthz").json()["trainer"]["turns_trained"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         after = scrape(s.url, headers={})
         # a rollback takes a step number of its own, but it is no optimizer step
         assert requests.post(s.url + "/v1/adapters/1/serve").status_code == 200

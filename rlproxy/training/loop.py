@@ -343,6 +343,7 @@ class Trainer(Control, RemoteSync):
             out.append(self.train_step(examples, epoch))
             if epoch == 0:  # trained now, whatever a later epoch does
                 self.mark_trained(uids)
+                self.stats.turns_trained += len(uids)
         return out
 
     def _skip_batch(self, examples: list[dict], uids: list[str], reason: str) -> None:
@@ -374,8 +375,6 @@ class Trainer(Control, RemoteSync):
         if self.remote and (back := self.learner.went_back()):  # a restarted learner
             self.train_again(*back)
         self.pacer(time.perf_counter() - unit)
-        if epoch == 0:  # counted before the step shows: /healthz never has one without them
-            self.stats.turns_trained += sum(len(e["uids"]) for e in examples)
         self.step += 1
         # a shared remote run numbers versions by its own steps, every replica's
         self.version = max(self.version + 1, opt.run_step or 0)
