@@ -17,6 +17,12 @@ from launched import LAUNCH, Served
 pytestmark = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch is not installed")
 
 
+def training_paused(s: Served, timeout: float) -> dict:
+    """/healthz once the trainer says it waits for the learner (here: the other ranks)."""
+    return s.wait(lambda h: (h["trainer"]["error"] or "").startswith(
+        "training waits for the learner"), timeout=timeout)
+
+
 def assert_failed_uncharged(data_dir) -> None:
     """A step failed for the ranks' sake, and the poison-turn journal blamed no turn for it."""
     failed = [line for line in read_records(data_dir, "train_journal.jsonl")
@@ -39,8 +45,7 @@ def test_a_killed_worker_rank_pauses_training_and_serving_goes_on(tmp_path):
         assert h["ranks"] == {"size": 2, "error": h["trainer"]["ranks_error"]}
         s.chat("still there?", seed=1)  # serving goes on
         s.turns(4)
-        h = s.wait(lambda h: (h["trainer"]["error"] or "").startswith(
-            "training waits for the learner"), timeout=60)
+        h = training_paused(s, timeout=60)
         assert "rank 1 exited" in h["trainer"]["error"], h
         assert "training waits until the launch is restarted" in h["trainer"]["error"]
         assert h["trainer"]["steps"] == 1 and h["trainer"]["quarantined"] == 0
@@ -63,8 +68,7 @@ def test_a_hung_worker_rank_fails_the_step_within_the_timeout(tmp_path):
     try:
         os.kill(worker, signal.SIGSTOP)
         s.turns(0)
-        h = s.wait(lambda h: (h["trainer"]["error"] or "").startswith(
-            "training waits for the learner"), timeout=120)
+        h = training_paused(s, timeout=120)
         assert "did not answer within 5 s" in h["trainer"]["error"], h
         assert "did not answer within 5 s" in h["trainer"]["ranks_error"]
         assert h["trainer"]["steps"] == 0 and h["trainer"]["quarantined"] == 0
