@@ -7,6 +7,9 @@
 2. Log-prob read: the engine's per-step read of the sampled tokens' log-probs from 16 evaluated
    rows at a 151k vocabulary (and at the model's own), stacking the rows in MLX (the read before)
    versus serving/logprobs.py's `chosen_logprobs` (NumPy, in place); median microseconds.
+3. Greedy batch: one BatchGenerator step of 8 greedy streams when they share serving/sampler.py's
+   one greedy function (one argmax for the batch) and when each has a sampler of its own
+   (mlx-lm then samples row by row, as it did for rlproxy's greedy requests before); medians.
 
     python bench/serving_step.py [--model tiny] [--rounds 7] [--max-tokens 128]
                                  [--out bench/results/serving_step.json]
@@ -22,13 +25,14 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
-from mlx_lm.generate import stream_generate
+from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tuner.lora import LoRALinear
 
 from common import environment, report
 from rlproxy.serving.logprobs import chosen_logprobs
 from rlproxy.serving.model import ServingLoRALinear, load_serving_model, resolve_source
+from rlproxy.serving.sampler import greedy
 from rlproxy.settings import load_settings
 
 PROMPT = "Summarise the quarterly figures for the northern warehouse. " * 20
@@ -74,6 +78,25 @@ def read_us(vocab: int, rows: int = 16, reps: int = 200) -> dict:
     return out
 
 
+def batch_step_ms(model, tokenizer, streams: int, shared: bool, max_tokens: int) -> float:
+    """Milliseconds a decode step of STREAMS greedy streams takes, once all of them decode."""
+    ids = [tokenizer.encode(f"{PROMPT} Report {i}.") for i in range(streams)]
+    samplers = [greedy if shared else (lambda lp: greedy(lp)) for _ in range(streams)]
+    gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=streams,
+                         prefill_batch_size=streams)
+    gen.insert(ids, max_tokens=[max_tokens] * streams, samplers=samplers)
+    steps, tic = 0, None
+    while True:
+        _, responses = gen.next()
+        if tic is None and len(responses) == streams:
+            tic, steps = time.perf_counter(), 0
+        steps += 1
+        if any(r.finish_reason for r in responses):
+            break
+    gen.close()
+    return (time.perf_counter() - tic) / max(1, steps - 1) * 1000
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny")
@@ -95,16 +118,26 @@ def main() -> None:
     set_forward(served.model, ServingLoRALinear)
     ms = {k: statistics.median(v[1:]) * 1000 for k, v in runs.items()}
     reads = {vocab: read_us(vocab) for vocab in (151_000, served.vocab_size)}
+    batch = {"shared": [], "own": []}
+    for _ in range(a.rounds + 1):
+        for kind in batch:
+            batch[kind].append(batch_step_ms(served.model, tokenizer, 8, kind == "shared",
+                                             a.max_tokens))
+    step_ms = {k: statistics.median(v[1:]) for k, v in batch.items()}
     lines = [f"decode ms/token ({a.model}, median of {a.rounds}): LoRA in one addmm "
              f"{ms['addmm']:.3f} ({ms['addmm'] / ms['plain']:.2f}x the plain model), mlx-lm's "
              f"LoRALinear {ms['mlx_lm']:.3f} ({ms['mlx_lm'] / ms['plain']:.2f}x), plain "
              f"{ms['plain']:.3f}"]
     lines += [f"log-prob read, 16 rows of {vocab}: stacked {r['stacked']:.1f} us, in place "
               f"{r['in_place']:.1f} us" for vocab, r in reads.items()]
+    lines.append(f"decode step of 8 greedy streams: one shared sampler {step_ms['shared']:.2f} "
+                 f"ms, a sampler each {step_ms['own']:.2f} ms "
+                 f"({step_ms['own'] / step_ms['shared']:.2f}x)")
     result = {**environment(a.model, load_before, served.model_id,
                             {"rounds": a.rounds, "max_tokens": a.max_tokens}),
               "decode_ms_per_token": ms, "decode_s_runs": runs,
-              "logprob_read_us": {str(k): v for k, v in reads.items()}}
+              "logprob_read_us": {str(k): v for k, v in reads.items()},
+              "greedy_batch_step_ms": step_ms, "greedy_batch_step_runs": batch}
     report(lines, result, a.out)
 
 

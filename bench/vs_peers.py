@@ -22,6 +22,14 @@ versions; their plain dependencies suffice):
 
     python bench/vs_peers.py [--peers-bin .peers/bin] [--model smollm2-135m-instruct]
         [--prompt-tokens 400 2000] [--concurrency 1 8 16] [--max-tokens 128] [--rounds 2]
+        [--same-adapter]
+
+By default the peers serve the bare base model while rlproxy serves it with its LoRA adapter
+(every linear layer of every block, as shipped): rlproxy does more work per token. With
+`--same-adapter`, the bench writes one adapter in mlx-lm's layout (rlproxy's default LoRA
+layers, lora_b drawn as well, so every adapted projection changes like a trained one) and serves
+it on rlproxy (`--adapter`) and on `mlx_lm.server` (`--adapter-path`): equal work. The other
+peers take no mlx-lm adapter, so that mode runs `mlx_lm.server` alone against rlproxy.
 """
 
 from __future__ import annotations
@@ -49,13 +57,19 @@ FILLER = ("The committee reviewed the quarterly figures for the northern warehou
           "that shipments of copper fittings rose while orders for timber fell. ")
 
 
-def commands(bin_dir: Path, model_dir: str, ports: dict, data: Path) -> dict[str, list[str]]:
-    """The servers to run: rlproxy and mlx_lm.server always, the others where installed."""
+def commands(bin_dir: Path, model_dir: str, ports: dict, data: Path,
+             adapter: Path | None = None) -> dict[str, list[str]]:
+    """The servers to run: rlproxy and mlx_lm.server always, the others where installed and
+    no ADAPTER is served (they take none in mlx-lm's layout)."""
     out = {"rlproxy": [sys.executable, "-m", "rlproxy.cli", "serve", "--model", model_dir,
                        "--port", str(ports["rlproxy"]), "--no-train", "--no-judge",
                        "--data-dir", str(data), "--log-level", "WARNING"],
            "mlx_lm": [sys.executable, "-m", "mlx_lm.server", "--model", model_dir,
                       "--port", str(ports["mlx_lm"]), "--log-level", "WARNING"]}
+    if adapter is not None:
+        out["rlproxy"] += ["--adapter", str(adapter)]
+        out["mlx_lm"] += ["--adapter-path", str(adapter)]
+        return out
     if (bin_dir / "vllm-mlx").exists():
         out["vllm_mlx"] = [str(bin_dir / "vllm-mlx"), "serve", model_dir, "--port",
                            str(ports["vllm_mlx"]), "--continuous-batching"]
@@ -64,6 +78,22 @@ def commands(bin_dir: Path, model_dir: str, ports: dict, data: Path) -> dict[str
                              model_dir, "--model-type", "lm", "--port", str(ports["mlx_openai"]),
                              "--no-log-file"]  # else it writes logs/app.log in the cwd
     return out
+
+
+def write_adapter(model: str, path: Path, seed: int = 0) -> Path:
+    """rlproxy's fresh adapter for MODEL (its default LoRA layers, rank and scale) with lora_b
+    drawn too (a fresh one is zero), written in mlx-lm's layout to PATH."""
+    import mlx.core as mx
+
+    from rlproxy.serving.model import load_serving_model, lora_weights, save_adapter
+    from rlproxy.settings import ModelSettings
+
+    loaded = load_serving_model(ModelSettings(model=model), lora_seed=seed)
+    weights = lora_weights(loaded.model)
+    drawn = {k: mx.random.normal(v.shape, key=mx.random.key(seed + i)).astype(v.dtype) * 0.01
+             for i, (k, v) in enumerate(sorted(weights.items())) if k.endswith("lora_b")}
+    loaded.model.load_weights(list(drawn.items()), strict=False)
+    return save_adapter(loaded.model, loaded.lora_config, path)
 
 
 def prompt_text(tokenizer, tokens: int, opening: str) -> str:
@@ -133,6 +163,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--only", nargs="+", help="run only these servers (rlproxy always)")
+    p.add_argument("--same-adapter", action="store_true",
+                   help="serve one LoRA adapter on rlproxy and mlx_lm.server (equal work)")
     p.add_argument("--out", type=Path, default=Path("bench/results/vs_peers.json"))
     a = p.parse_args()
     from transformers import AutoTokenizer
@@ -146,23 +178,31 @@ def main() -> None:
     env["LD_PRELOAD"] = blas.split("(", 1)[1].rstrip(")")  # the peers' BLAS: the same library
     a.out.parent.mkdir(parents=True, exist_ok=True)
     ports = {n: free_port() for n in ("rlproxy", "mlx_lm", "vllm_mlx", "mlx_openai")}
-    wanted = commands(a.peers_bin, model_dir, ports, a.out.parent / "vs_peers_data")
+    adapter = (write_adapter(a.model, a.out.parent / "vs_peers_adapter") if a.same_adapter
+               else None)
+    wanted = commands(a.peers_bin, model_dir, ports, a.out.parent / "vs_peers_data", adapter)
     if a.only:
         wanted = {n: c for n, c in wanted.items() if n == "rlproxy" or n in a.only}
     logs = {n: a.out.parent / f"vs_peers_{n}.log" for n in wanted}
     procs = {n: start(c, env, logs[n]) for n, c in wanted.items()}
     urls = {n: f"http://127.0.0.1:{ports[n]}" for n in procs}
     result = {"model": a.model, "dir": model_dir, "blas": blas, "max_tokens": a.max_tokens,
+              "adapter": {"rlproxy": "served", "peers": "the same" if adapter else "none"},
               "servers": {n: " ".join(c) for n, c in wanted.items()},
               "load_before": os.getloadavg()[0], "shapes": []}
+    # The name each server is asked for. mlx_lm.server applies --adapter-path only to the model
+    # it calls "default_model"; asked for the directory, it serves the bare base.
+    names = {n: "default_model" if adapter and n == "mlx_lm" else model_dir for n in procs}
     try:
         for n in procs:
             wait_ready(urls[n], procs[n], logs[n])
-            stream(urls[n], model_dir, "warm up", 8)  # first-call compilation and allocation
+            stream(urls[n], names[n], "warm up", 8)  # first-call compilation and allocation
+        if adapter:
+            same_greedy_text(urls, names)
         for tokens in a.prompt_tokens:
             repeated = prompt_text(tokenizer, tokens, "A fixed report.")
             for n in procs:  # the repeated prompt, cached once per server before it counts
-                stream(urls[n], model_dir, repeated, 4)
+                stream(urls[n], names[n], repeated, 4)
             for kind in ("unique", "repeated"):
                 for c in a.concurrency:
                     shape = {"prompt_tokens": tokens, "kind": kind, "concurrency": c,
@@ -172,7 +212,7 @@ def main() -> None:
                             texts = [repeated if kind == "repeated" else
                                      prompt_text(tokenizer, tokens, f"Report {uuid.uuid4()}.")
                                      for _ in range(c)]
-                            shape["rounds"][n].append(round_of(urls[n], model_dir, texts,
+                            shape["rounds"][n].append(round_of(urls[n], names[n], texts,
                                                                a.max_tokens))
                     summarise(shape)
                     result["shapes"].append(shape)
@@ -189,6 +229,20 @@ def main() -> None:
           f"{result['load_before']:.1f} -> {result['load_after']:.1f}")
     a.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out}")
+
+
+def same_greedy_text(urls: dict, names: dict) -> None:
+    """Equal work means the same model: one greedy completion must read the same on each."""
+    texts = {}
+    for n, url in urls.items():
+        body = {"model": names[n], "max_tokens": 24, "temperature": 0.0,
+                "messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}
+        r = requests.post(url + "/v1/chat/completions", json=body, timeout=300)
+        r.raise_for_status()
+        texts[n] = r.json()["choices"][0]["message"]["content"]
+    if len(set(texts.values())) != 1:
+        raise SystemExit(f"the servers do not serve the same model: {texts}")
+    print(f"same greedy text on {', '.join(texts)}: {texts['rlproxy'][:40]!r}")
 
 
 def summarise(shape: dict) -> None:

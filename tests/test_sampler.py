@@ -79,3 +79,26 @@ def test_same_seed_same_tokens_with_penalties(engine):
     params = dict(max_tokens=24, temperature=1.0, seed=11, presence_penalty=0.5,
                   frequency_penalty=0.5)
     assert run(engine, prompt, **params) == run(engine, prompt, **params)
+
+
+def test_greedy_requests_decoded_together_get_what_each_gets_alone(engine):
+    """Greedy requests share one sampler, so the engine's batch picks all their tokens in one
+    argmax; each row must still be its own request's."""
+    from rlproxy.serving.sampler import make_sampler
+
+    assert make_sampler(0.0, 1.0, 1) is make_sampler(0.0, 0.5, 2, 5)  # what lets them batch
+    prompts = [[(7 * i + 13 * j) % 1300 + 10 for j in range(30 + 5 * i)] for i in range(8)]
+    alone = [run(engine, p, max_tokens=24, temperature=0.0) for p in prompts]
+    together: list = [None] * len(prompts)
+
+    def one(i):
+        together[i] = run(engine, prompts[i], max_tokens=24, temperature=0.0)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({tuple(tokens) for tokens, _ in alone}) > 1, "every prompt gave the same tokens"
+    for (tokens, logprobs), (want, want_lp) in zip(together, alone):
+        assert tokens == want
+        assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-3
