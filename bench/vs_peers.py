@@ -9,7 +9,9 @@ Shapes: unique prompts (a distinct opening per request: no prompt cache can answ
 repeated prompt (the same text each time: fully cached after the first), of `--prompt-tokens`
 tokens each (400 and 2,000), alone and `--concurrency` at once (1, 8, 16). Each request is a
 streamed greedy chat completion of `--max-tokens` tokens; TTFT is the time to the first content
-delta, tokens/s the round's completion tokens (usage, else deltas) over its wall time. For each
+delta, tokens/s the round's completion tokens (usage, else deltas) over its wall time, request
+the mean seconds from sending a request to its last byte (below 1: rlproxy's requests end
+sooner on average, even where the round's last one ends later). For each
 shape the servers take turns, `--rounds` times. It prints rlproxy / peer ratios (tokens/s above
 1: rlproxy faster; TTFT below 1: rlproxy sooner) and writes JSON.
 
@@ -251,18 +253,22 @@ def summarise(shape: dict) -> None:
     for n, rounds in shape["rounds"].items():
         tok_s = sum(sum(r["tokens"] for r in x["requests"]) for x in rounds) / sum(
             x["wall_s"] for x in rounds)
-        figures[n] = {"tok_s": tok_s, "ttft_s": statistics.median(x["ttft_s"] for x in rounds)}
+        figures[n] = {"tok_s": tok_s, "ttft_s": statistics.median(x["ttft_s"] for x in rounds),
+                      "request_s": statistics.mean(r["s"] for x in rounds for r in x["requests"])}
     mine = figures["rlproxy"]
     for n, f in figures.items():
         f["tok_s_ratio"] = mine["tok_s"] / f["tok_s"] if f["tok_s"] else None
         f["ttft_ratio"] = mine["ttft_s"] / f["ttft_s"] if f["ttft_s"] else None
+        f["request_s_ratio"] = mine["request_s"] / f["request_s"]
     shape["figures"] = figures
     head = f"{shape['prompt_tokens']:5d} tok {shape['kind']:8s} x{shape['concurrency']:<3d}"
-    parts = [f"rlproxy {mine['tok_s']:6.1f} tok/s ttft {mine['ttft_s'] * 1000:6.0f} ms"]
+    parts = [f"rlproxy {mine['tok_s']:6.1f} tok/s ttft {mine['ttft_s'] * 1000:6.0f} ms "
+             f"request {mine['request_s']:5.2f} s"]
     for n, f in figures.items():
         if n != "rlproxy":
             parts.append(f"{n} {f['tok_s']:6.1f} tok/s ({f['tok_s_ratio']:.2f}x) ttft "
-                         f"{f['ttft_s'] * 1000:6.0f} ms ({f['ttft_ratio']:.2f}x)")
+                         f"{f['ttft_s'] * 1000:6.0f} ms ({f['ttft_ratio']:.2f}x) request "
+                         f"{f['request_s']:5.2f} s ({f['request_s_ratio']:.2f}x)")
     print(head + " | " + " | ".join(parts), flush=True)
 
 
