@@ -25,6 +25,19 @@ from rlproxy.serving.model import load_serving_model, save_adapter
 from rlproxy.settings import ModelSettings, load_settings
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with long tests first. xdist hands out whole files (`--dist loadfile`) in this order
+    (`--no-loadscope-reorder`; its own order puts files with many tests first), so a long file is
+    not the last one started while the other workers sit idle. A test marked slow or real_model
+    weighs 20, any other 1; a file keeps its own order."""
+    weight: dict = {}
+    for item in items:
+        heavy = item.get_closest_marker("slow") or item.get_closest_marker("real_model")
+        weight[item.path] = weight.get(item.path, 0) + (20 if heavy else 1)
+    first = {path: i for i, path in enumerate(weight)}
+    items.sort(key=lambda item: (-weight[item.path], first[item.path]))
+
+
 class AppThread:
     """An aiohttp app served on 127.0.0.1:<free port> from a background event loop."""
 
