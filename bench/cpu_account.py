@@ -25,7 +25,7 @@ from pathlib import Path
 
 import requests
 
-from vs_mlx_lm import free_port, start, wait_ready  # noqa: I001  (bench/ is the script's dir)
+from vs_mlx_lm import free_port, start, stop_all, wait_ready  # noqa: I001  (bench/: the script dir)
 from vs_peers import write_adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -124,13 +124,7 @@ def main() -> None:
                     runs[n][c].append(account(procs[n].pid, urls[n], names[n], c,
                                               a.max_tokens))
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001
-                proc.kill()
+        stop_all(procs.values())
     lines, figures = [], {}
     for c in a.concurrency:
         for n in procs:

@@ -47,6 +47,17 @@ def start(command: list[str], env: dict, log: Path) -> subprocess.Popen:
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
+def stop_all(procs) -> None:
+    """SIGTERM every server, then wait up to 60 s for each; one still running is killed."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -135,9 +146,7 @@ def main() -> None:
             result["concurrent"][name] = {"tok_s": sum(n for _, n in r) / sum(t for t, _ in r),
                                           "rounds": r}
     finally:
-        for proc in procs.values():
-            proc.terminate()
-            proc.wait(timeout=60)
+        stop_all(procs.values())
     result["load_after"] = os.getloadavg()[0]
     for kind in ("alone", "concurrent"):
         mine, theirs = result[kind]["rlproxy"]["tok_s"], result[kind]["mlx_lm"]["tok_s"]

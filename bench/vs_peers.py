@@ -48,7 +48,7 @@ from pathlib import Path
 
 import requests
 
-from vs_mlx_lm import free_port, start, wait_ready  # noqa: I001  (bench/ is the script's dir)
+from vs_mlx_lm import free_port, start, stop_all, wait_ready  # noqa: I001  (bench/: the script dir)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rlproxy  # noqa: E402,F401  (preloads OpenBLAS)
@@ -219,13 +219,7 @@ def main() -> None:
                     summarise(shape)
                     result["shapes"].append(shape)
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001
-                proc.kill()
+        stop_all(procs.values())
     result["load_after"] = os.getloadavg()[0]
     print(f"model dir {model_dir}; BLAS {blas} (peers: LD_PRELOAD); load "
           f"{result['load_before']:.1f} -> {result['load_after']:.1f}")
