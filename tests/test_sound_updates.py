@@ -28,7 +28,7 @@ from test_trainer import sample, scored, setup
 @pytest.fixture
 def own():
     # Weights change: a private copy. Its lora_a is seeded: drawn from MLX's global generator,
-    # it depended on what earlier tests in the worker had drawn, and one draw in a few let the
+    # it depended on what earlier tests in the worker had drawn, and a draw seen once let the
     # collapse tests' candidate stay unreadable text instead of collapsing (blank share 0.11).
     return load_serving_model(ModelSettings(model="tiny"), lora_seed=0)
 
