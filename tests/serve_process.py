@@ -21,10 +21,11 @@ def free_port() -> int:
 
 def server_env(*python_path: str | Path) -> dict:
     """The caller's environment without its RLPROXY_* settings (the model cache stays), output
-    unbuffered, and PYTHON_PATH's folders (reward modules) importable."""
+    unbuffered, crashes traced, and PYTHON_PATH's folders (reward modules) importable."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("RLPROXY_") or k == "RLPROXY_CACHE_DIR"}
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash (SIGSEGV, SIGABRT) prints every thread's stack
     if python_path:
         env["PYTHONPATH"] = os.pathsep.join([*map(str, python_path), env.get("PYTHONPATH", "")])
     return env

@@ -418,3 +418,27 @@ def test_a_stop_that_gives_up_on_a_slow_step_charges_none_of_its_turns(tmp_path,
         assert not restarted.failures and not restarted.suspects
     finally:
         restarted.close()
+
+
+def test_a_start_up_error_ends_the_engine_thread_before_the_error_goes_up(tiny, tmp_path,
+                                                                           monkeypatch):
+    """A refusal while the pipeline starts (here --trainer tinker without a key) comes after
+    the engine started: run_app still runs the started contexts' cleanup, so the engine's MLX
+    thread has ended when `rlproxy serve` exits 2 (alive at exit, it could abort the process:
+    a -6 instead of 2, seen once in CI)."""
+    import threading
+
+    from rlproxy.api import server
+    from rlproxy.app import create_app
+
+    from conftest import make_settings
+
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    settings = make_settings(tmp_path, train=True, trainer="tinker", judge=False,
+                             tinker_url="http://127.0.0.1:9", prefix_cache=False)
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="need a key"):
+        server.run_app(create_app(settings, tiny), host="127.0.0.1", port=free_port(),
+                       print=lambda msg: None)
+    left = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert "rlproxy-engine" not in left, left

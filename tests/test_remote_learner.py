@@ -256,7 +256,7 @@ def test_refusals_are_start_up_errors(learner, tmp_path):
     first = Server(tmp_path / "r8", *replica_flags(learner, "rank8")).wait()
     first.stop()
     other = Server(tmp_path / "r4", *replica_flags(learner, "rank8"), "--lora-rank", "4")
-    assert other.proc.wait(timeout=120) == 2
+    assert other.proc.wait(timeout=120) == 2, other.log.read_text()
     assert "rank 8" in other.log.read_text()
 
 

@@ -80,6 +80,7 @@ class RemoteLearner:
         self.failed_at = float("-inf")  # time.monotonic() of the last join that failed
         self.sync = SyncStats()
         self.service = self.training = self.rest = None
+        self.closing: threading.Thread | None = None  # finishing a failed join's session
         self.timeout = self.r.tinker_timeout_s
         self.key = api_key(self.r)
         self.weights = lora_weights(model) if model is not None else {}
@@ -107,8 +108,9 @@ class RemoteLearner:
         try:
             return self._join_with(service, timeout)
         except BaseException:  # its session's heartbeats would hold a handle on the learner
-            threading.Thread(target=lambda: _finish(service, "errored"), daemon=True,
-                             name="rlproxy-tinker-close").start()
+            self.closing = threading.Thread(target=lambda: _finish(service, "errored"),
+                                            daemon=True, name="rlproxy-tinker-close")
+            self.closing.start()
             raise
 
     def _join_with(self, service, timeout: float):
@@ -369,6 +371,8 @@ def remote_learner(settings: Settings, loaded, model: nn.Module | None) -> Remot
     try:
         learner.connect(timeout=min(START_TIMEOUT_S, r.tinker_timeout_s))
     except LearnerRefused as e:
+        if learner.closing is not None:  # the process ends on this: its session first
+            learner.closing.join(timeout=5.0)
         raise ValueError(f"--trainer tinker: {e}") from None
     except LearnerUnavailable as e:
         log.error("the Tinker learner at %s does not answer (%s): serving starts, and training "
