@@ -346,9 +346,9 @@ def run_app(app: web.Application, *, host: str, port: int, print=print) -> None:
             loop.add_signal_handler(sig, on_signal, sig)
         runner = AppRunner(app, access_log=None, shutdown_timeout=STOP_GRACE_S)
         try:
-            # in the try: a start-up error (a refused learner, a busy port) still runs the
-            # cleanup of the contexts that had started, so the engine's MLX thread ends before
-            # the interpreter does (a daemon MLX thread alive at exit can abort it)
+            # in the try: an error while the contexts start (a refused learner, a missing key)
+            # still runs the cleanup of those that had started, so the engine's MLX thread ends
+            # before the interpreter does (a daemon MLX thread alive at exit can abort it)
             await runner.setup()
             await web.TCPSite(runner, host, port).start()
             print(f"======== Running on http://{host}:{port} ========\n(Press CTRL+C to quit)")
