@@ -9,7 +9,8 @@
    versus serving/logprobs.py's `chosen_logprobs` (NumPy, in place); median microseconds.
 3. Greedy batch: one BatchGenerator step of 8 greedy streams when they share serving/sampler.py's
    one greedy function (one argmax for the batch) and when each has a sampler of its own
-   (mlx-lm then samples row by row, as it did for rlproxy's greedy requests before); medians.
+   (mlx-lm then samples row by row, as it did for rlproxy's greedy requests before), with long
+   prompts (PROMPT, ~1,200 tokens) and short ones (a few tokens); medians.
 
     python bench/serving_step.py [--model tiny] [--rounds 7] [--max-tokens 128]
                                  [--out bench/results/serving_step.json]
@@ -78,9 +79,10 @@ def read_us(vocab: int, rows: int = 16, reps: int = 200) -> dict:
     return out
 
 
-def batch_step_ms(model, tokenizer, streams: int, shared: bool, max_tokens: int) -> float:
+def batch_step_ms(model, tokenizer, streams: int, shared: bool, max_tokens: int,
+                  prompt: str) -> float:
     """Milliseconds a decode step of STREAMS greedy streams takes, once all of them decode."""
-    ids = [tokenizer.encode(f"{PROMPT} Report {i}.") for i in range(streams)]
+    ids = [tokenizer.encode(f"{prompt} Report {i}.") for i in range(streams)]
     samplers = [greedy if shared else (lambda lp: greedy(lp)) for _ in range(streams)]
     gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=streams,
                          prefill_batch_size=streams)
@@ -118,21 +120,24 @@ def main() -> None:
     set_forward(served.model, ServingLoRALinear)
     ms = {k: statistics.median(v[1:]) * 1000 for k, v in runs.items()}
     reads = {vocab: read_us(vocab) for vocab in (151_000, served.vocab_size)}
-    batch = {"shared": [], "own": []}
+    prompts = {"long": PROMPT, "short": "Summarise the figures."}
+    batch = {f"{length}_{kind}": [] for length in prompts for kind in ("shared", "own")}
     for _ in range(a.rounds + 1):
-        for kind in batch:
-            batch[kind].append(batch_step_ms(served.model, tokenizer, 8, kind == "shared",
-                                             a.max_tokens))
-    step_ms = {k: statistics.median(v[1:]) for k, v in batch.items()}
+        for name, got in batch.items():
+            length, kind = name.split("_")
+            got.append(batch_step_ms(served.model, tokenizer, 8, kind == "shared",
+                                     a.max_tokens, prompts[length]))
+    step_ms = {name: statistics.median(v[1:]) for name, v in batch.items()}
     lines = [f"decode ms/token ({a.model}, median of {a.rounds}): LoRA in one addmm "
              f"{ms['addmm']:.3f} ({ms['addmm'] / ms['plain']:.2f}x the plain model), mlx-lm's "
              f"LoRALinear {ms['mlx_lm']:.3f} ({ms['mlx_lm'] / ms['plain']:.2f}x), plain "
              f"{ms['plain']:.3f}"]
     lines += [f"log-prob read, 16 rows of {vocab}: stacked {r['stacked']:.1f} us, in place "
               f"{r['in_place']:.1f} us" for vocab, r in reads.items()]
-    lines.append(f"decode step of 8 greedy streams: one shared sampler {step_ms['shared']:.2f} "
-                 f"ms, a sampler each {step_ms['own']:.2f} ms "
-                 f"({step_ms['own'] / step_ms['shared']:.2f}x)")
+    lines += [f"decode step of 8 greedy streams, {length} prompts: one shared sampler "
+              f"{step_ms[length + '_shared']:.2f} ms, a sampler each {step_ms[length + '_own']:.2f}"
+              f" ms ({step_ms[length + '_own'] / step_ms[length + '_shared']:.2f}x)"
+              for length in prompts]
     result = {**environment(a.model, load_before, served.model_id,
                             {"rounds": a.rounds, "max_tokens": a.max_tokens}),
               "decode_ms_per_token": ms, "decode_s_runs": runs,
