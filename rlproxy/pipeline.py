@@ -49,6 +49,10 @@ class Pipeline:
 def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine,
                    ranks: Link | None = None) -> Pipeline:
     judge, teacher, judges = make_judges(settings, model, engine)
+    # the judge model's name: its calibration's key in verdict.json
+    judge_name = (base_model_name(settings, model) if isinstance(judge, TinkerJudge)
+                  else settings.scoring.judge_model if isinstance(judge, RemoteJudge)
+                  else settings.model.model)
     trainer = scorer = None
     try:
         trainer = (make_trainer(settings, model, engine, ranks) if settings.trainer.train
@@ -56,7 +60,7 @@ def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine,
         # a released item goes to the trainer (a thread-safe submit)
         scorer = Scorer(settings.scoring, settings.records.data_dir, judge, teacher,
                         model.tokenizer, fsync=settings.records.fsync,
-                        baseline=settings.trainer.baseline,
+                        baseline=settings.trainer.baseline, judge_name=judge_name,
                         on_released=trainer.submit if trainer is not None else None)
         # a finished main turn goes to the scorer; a closed session tells it no next state comes
         store = SessionStore(settings.records.data_dir, settings.sessions.session_idle_timeout_s,

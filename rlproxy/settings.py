@@ -183,6 +183,13 @@ class ScoringSettings(Section):
     judge: bool = Field(
         True, description="judge votes score turns (off: rewards come only from feedback and "
         "reward functions)")
+    prm_verdict: Literal["logprob", "votes"] = Field(
+        "logprob", description="logprob: one forward pass of prm_prompts/verdict.txt, the "
+        "reward is the calibrated expected score from the two label words' probabilities; "
+        "votes: --prm-m sampled answers of judge.txt, majority")
+    prm_min_margin: float = Field(
+        0.2, ge=0, le=1, description="a log-prob verdict whose margin |P(good) - P(bad)| is "
+        "below this is undecided: recorded, not trained, never lifted by at-least-one")
     prm_m: int = Field(3, ge=1, description="judge votes (and hint answers) per turn")
     prm_temperature: float = Field(0.6, ge=0, le=2, description="judge sampling temperature")
     prm_max_tokens: int = Field(256, ge=8, description="judge answer length cap")
@@ -190,7 +197,8 @@ class ScoringSettings(Section):
         4000, ge=200, description="the user request shown to the judge is trimmed to this many "
         "characters")
     prm_prompts: Path = Field(
-        PRM_PROMPTS_DIR, description="folder with judge.txt and hint.txt (default: the "
+        PRM_PROMPTS_DIR, description="folder with judge.txt, hint.txt, verdict.txt and verdict.json "
+        "(default: the "
         "repo's prm_prompts/)")
     w_opd: float = Field(
         1.0, description="weight of teacher_lp - behaviour_lp in the advantage")

@@ -257,7 +257,8 @@ def choice_judge():
 
 
 def serve(tiny, tmp_path, **flags):
-    return ServerThread(make_settings(tmp_path, **flags), tiny)
+    """The judge here votes (the scripted judge answers chat completions only)."""
+    return ServerThread(make_settings(tmp_path, **{"prm_verdict": "votes", **flags}), tiny)
 
 
 def capture(server) -> list[dict]:

@@ -94,12 +94,27 @@ def test_feedback_on_held_released_and_forgotten_turns():
     assert led.feedback("f3", 0.5) == ("unknown", [])  # not scored yet: the Scorer keeps it
     assert led.feedback("f0", -0.5) == ("rescored", [Release("f0", -0.5, "feedback")])
     assert led.feedback("f1", -0.2) == ("applied", [])  # still held, with its new reward
-    # f0 is now negative too: no positive turn, and f1 (-0.2) is the best
-    assert led.score("f3", 3, -1.0, True) == [Release("f1", 1.0, "at_least_one"),
+    # f0 is now negative too: no positive turn. f1 (-0.2) is the best, but a person rated
+    # it: never lifted over that; the best turn the judge alone scored is (the latest of equals)
+    assert led.score("f3", 3, -1.0, True) == [Release("f1", -0.2, "session_closed"),
                                               Release("f2", -1.0, "session_closed"),
-                                              Release("f3", -1.0, "session_closed")]
+                                              Release("f3", 1.0, "at_least_one")]
     assert led.feedback("f1", -1.0) == ("rescored", [Release("f1", -1.0, "feedback")])
     assert led.done.peek("f1") == -1.0
+
+
+def test_only_liftable_turns_are_lifted():
+    led = Ledger()
+    for uid in ("h0", "h1"):
+        led.submit(uid, "h")
+    led.score("h0", 0, -1.0, False, liftable=False)  # a reward function's -1
+    assert led.score("h1", 1, -1.0, True, liftable=False) == [
+        Release("h0", -1.0, "session_closed"), Release("h1", -1.0, "session_closed")]
+    led.restore("i0", "i", 0, -1.0, False, liftable=True)
+    led.restore_feedback("i0")  # a feedback line read back: a person's word
+    led.restore("i1", "i", 1, -0.5, True, liftable=False)
+    assert led.settle() == [Release("i0", -1.0, "session_closed"),
+                            Release("i1", -0.5, "session_closed")]
 
 
 def test_feedback_that_makes_a_session_positive_cancels_the_lift():

@@ -6,6 +6,7 @@ else reads it). Tests wait on conditions (/healthz, lines on disk), never on a f
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from collections import Counter
@@ -69,20 +70,52 @@ def test_at_least_one():
 
 
 class Judge:
-    """Answers /v1/chat/completions. The next state of the judged turn carries the script:
-    `[votes 1,-1,garbage,timeout]` (the k-th call for that turn gets the k-th item) and
-    `[hint yes]` (hint prompts get a hint). `down` makes every call a 503 (an outage)."""
+    """Answers /v1/chat/completions (votes, hints) and /v1/completions (log-prob verdicts). The
+    next state of the judged turn carries the script: `[votes 1,-1,garbage,timeout]` (the k-th
+    call for that turn gets the k-th item), `[hint yes]` (hint prompts get a hint) and
+    `[verdict -0.1,-2.3]` (the log-probs of " good" and " bad" at the label position; `_`
+    leaves that label out of the top log-probs). A verdict prompt without a script gets a
+    completion with no log-probs, as a server that gives none. `shape` is how log-probs are
+    asked for and answered: "legacy" (OpenAI's `logprobs: 20`, as vLLM) or "content" (mlx-lm's
+    server: `logprobs: true, top_logprobs`; an integer `logprobs` is a 400). `down` makes every
+    call a 503 (an outage)."""
 
-    def __init__(self):
+    def __init__(self, shape: str = "legacy"):
         self.down = False
+        self.shape = shape
         self.refused = 0  # calls answered 503 while down
         self.calls: Counter = Counter()
+        self.verdicts: Counter = Counter()  # next state -> verdict calls
         self.thread = AppThread(self._app)
 
     def _app(self):
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._complete)
         return app
+
+    async def _complete(self, request):
+        if self.down:
+            self.refused += 1
+            return web.json_response({"error": {"message": "down"}}, status=503)
+        body = await request.json()
+        after = body["prompt"].rsplit("\nNext:", 1)[-1]  # this turn's part, after the examples
+        if self.shape == "content" and not isinstance(body.get("logprobs"), bool):
+            return web.json_response({"error": "logprobs must be a bool"}, status=400)
+        self.verdicts[after] += 1  # answered
+        script = re.search(r"\[verdict ([^,\]]*),([^\]]*)\]", after)
+        choice = {"index": 0, "text": " good", "finish_reason": "length"}
+        if script:
+            top = {t: float(v) for t, v in ((" good", script[1]), (" bad", script[2]))
+                   if v.strip() != "_"}
+            top[" the"] = -5.0
+            choice["logprobs"] = ({"tokens": [" good"], "top_logprobs": [top]}
+                                  if self.shape == "legacy" else
+                                  {"content": [{"token": "\u0120good", "logprob": -0.1,
+                                                "top_logprobs": [
+                                                    {"token": t.replace(" ", "\u0120"),
+                                                     "logprob": v} for t, v in top.items()]}]})
+        return web.json_response({"choices": [choice]})
 
     async def _chat(self, request):
         if self.down:
@@ -125,8 +158,9 @@ def judge():
 
 
 def proxy(tiny, tmp_path, judge, **flags):
+    """The proxy judged by JUDGE: with votes unless FLAGS ask for log-prob verdicts."""
     settings = make_settings(tmp_path, judge_url=judge.url, judge_timeout_s=1.0,
-                             judge_retries=1, **flags)
+                             judge_retries=1, **{"prm_verdict": "votes", **flags})
     return ServerThread(settings, tiny)
 
 
@@ -189,7 +223,8 @@ def test_majority_failed_votes_and_ties_through_the_proxy(tiny, tmp_path, judge)
                                "[votes timeout,1,1] great", "[votes garbage,1,-1] ok"])
         wait_scored(s, 6)
     scores = by_index(tmp_path)
-    assert [scores[i]["judge_reward"] for i in range(5)] == [1, 0, -1, 1, 0]
+    # a tie or no valid vote: undecided, no judge reward
+    assert [scores[i]["judge_reward"] for i in range(5)] == [1, None, -1, 1, None]
     assert [v["vote"] for v in scores[2]["votes"]].count(None) == 2  # garbage: invalid
     assert all(v["text"] == "hmm, hard to say" for v in scores[2]["votes"] if v["vote"] is None)
     assert sum(v["error"] is not None for v in scores[3]["votes"]) == 1  # the timed-out vote
@@ -205,8 +240,10 @@ def test_at_least_one_lifts_the_best_turn_of_a_negative_session(tiny, tmp_path, 
         wait_scored(s, 7)
         wait_lines(tmp_path, "release", 7)
     releases = {(r["session_id"], r["index"]): r for r in lines(tmp_path, "release")}
-    assert releases[("neg", 1)]["reward"] == 1.0 and releases[("neg", 1)]["reason"] == "at_least_one"
-    assert releases[("neg", 0)]["reward"] == -1 and releases[("neg", 2)]["reward"] == -1
+    # turn 1's votes were all 0 ("unclear"): undecided, so never lifted; the best decided
+    # turn, the latest among equals, is
+    assert releases[("neg", 2)]["reward"] == 1.0 and releases[("neg", 2)]["reason"] == "at_least_one"
+    assert releases[("neg", 0)]["reward"] == -1 and releases[("neg", 1)]["reward"] is None
     assert releases[("pos", 0)]["reward"] == 1 and releases[("pos", 1)]["reward"] == -1
     assert not any(r["reason"] == "at_least_one" for k, r in releases.items() if k[0] == "pos")
 
@@ -325,13 +362,14 @@ def test_restart_during_outage_loses_no_turn(tiny, tmp_path, judge):
     assert len(lines(tmp_path, "score")) == 3
 
 
-def test_local_judge_leaves_the_serving_adapter_alone(tmp_path):
+@pytest.mark.parametrize("verdict", ["votes", "logprob"])
+def test_local_judge_leaves_the_serving_adapter_alone(tmp_path, verdict):
     from rlproxy.serving.model import load_serving_model
     from rlproxy.settings import ModelSettings
 
     own = load_serving_model(ModelSettings(model="tiny"))  # this test's own copy: weights are compared
     before = {k: mx.array(v) for k, v in lora_weights(own.model).items()}
-    with ServerThread(make_settings(tmp_path, prm_m=2), own) as s:
+    with ServerThread(make_settings(tmp_path, prm_m=2, prm_verdict=verdict), own) as s:
         run_session(s, "local", ["thanks", "and another"])
         stats = wait_scored(s, 3, timeout=60)
         assert stats["scored"] == 3
@@ -340,11 +378,132 @@ def test_local_judge_leaves_the_serving_adapter_alone(tmp_path):
     assert health["adapter_version"] == 0
     for k, v in lora_weights(own.model).items():
         assert mx.array_equal(v, before[k]).item(), k
-    scores = lines(tmp_path, "score")
-    assert all(len(r["votes"]) == 2 for r in scores if r["index"] < 2)
-    assert all(v["text"] is not None for r in scores for v in r["votes"])  # the model answered
+    scores = [r for r in lines(tmp_path, "score") if r["index"] < 2]
+    if verdict == "votes":
+        assert all(len(r["votes"]) == 2 for r in scores)
+        assert all(v["text"] is not None for r in scores for v in r["votes"])  # it answered
+    else:  # one forward pass: both labels' log-probs, read from the full distribution
+        assert all(r["votes"] == [] and set(r["verdict"]["label_logprobs"]) == {"1", "-1"}
+                   for r in scores)
+        assert all(0 < r["verdict"]["p_good"] < 1 for r in scores)
 
 
+
+
+# ---- log-prob verdicts from a judge URL, and what at-least-one may never do ----
+
+
+def calibrated_prompts(tmp_path, scale: float, bias: float):
+    """A copy of prm_prompts/ with a calibration for the judge model named "scripted"."""
+    import json
+    import shutil
+
+    from rlproxy.settings import PRM_PROMPTS_DIR
+
+    folder = tmp_path / "prompts"
+    shutil.copytree(PRM_PROMPTS_DIR, folder)
+    config = json.loads((folder / "verdict.json").read_text())
+    config["calibration"] = {"scripted": {"scale": scale, "bias": bias}}
+    (folder / "verdict.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("shape", ["legacy", "content"])
+def test_a_url_judge_gives_calibrated_logprob_verdicts(tiny, tmp_path, shape):
+    prompts = calibrated_prompts(tmp_path, scale=2.0, bias=0.5)
+    with Judge(shape=shape) as judge, proxy(
+            tiny, tmp_path / "data", judge, prm_verdict="logprob", judge_model="scripted",
+            prm_prompts=str(prompts), prm_min_margin=0.5, at_least_one=False) as s:
+        released = capture(s)
+        run_session(s, "lp", ["[verdict -0.1,-2.3] thanks", "[verdict -2.0,-0.05] no, redo",
+                              "[verdict -1.0,-1.05] hmm", "[verdict _,-0.2] wrong"])
+        health = wait_scored(s, 5)
+        wait_for(lambda: len(released) == 3, what="3 released turns")
+    scores = by_index(tmp_path / "data")
+
+    def expected(z):  # the expected score 2P - 1 under P = sigmoid(2z + 0.5)
+        return 2 / (1 + math.exp(-(2 * z + 0.5))) - 1
+
+    assert scores[0]["judge_reward"] == pytest.approx(expected(2.2), abs=1e-3)
+    assert scores[1]["judge_reward"] == pytest.approx(expected(-1.95), abs=1e-3)
+    # a margin under --prm-min-margin: undecided, recorded with its figures, not trained
+    assert scores[2]["verdict"]["decided"] is False and scores[2]["judge_reward"] is None
+    assert scores[2]["verdict"]["margin"] == pytest.approx(abs(expected(0.05)), abs=1e-3)
+    assert scores[2]["reward"] is None
+    # " good" not among the top log-probs: it ranks below all of them (the smallest, -5)
+    assert scores[3]["judge_reward"] == pytest.approx(expected(-4.8), abs=1e-3)
+    assert sorted(r["turn"]["index"] for r in released) == [0, 1, 3]
+    assert all(r["votes"] == [] for r in scores.values())
+    assert health["verdict"] == "logprob"
+    assert health["judge"]["good"] == 1 and health["judge"]["bad"] == 2
+    assert health["judge"]["undecided"] == 1 and health["judge"]["undecided_share"] == 0.25
+    assert sum(judge.verdicts.values()) == 4  # one call per judged turn: no sampling
+
+
+def test_a_url_judge_without_logprobs_falls_back_to_votes(tiny, tmp_path, judge, caplog):
+    with proxy(tiny, tmp_path, judge, prm_verdict="logprob", at_least_one=False) as s:
+        run_session(s, "fb", ["[votes 1,1,1] thanks", "[votes -1,-1,1] no"])
+        health = wait_scored(s, 3)
+    scores = by_index(tmp_path)
+    assert [scores[i]["judge_reward"] for i in (0, 1)] == [1, -1]
+    assert all(len(scores[i]["votes"]) == 3 for i in (0, 1))
+    assert health["verdict"] == "votes"
+    warnings = [r for r in caplog.records if "returns no log-probs" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
+
+
+def test_at_least_one_never_flips_feedback_nor_lifts_an_undecided_turn(tiny, tmp_path, judge):
+    with proxy(tiny, tmp_path, judge) as s:
+        # every turn judged -1, then rated -1 by the user before the session closed
+        run_session(s, "rated", ["[votes -1,-1,-1] wrong", "[votes -1,-1,-1] still wrong"],
+                    done=False)
+        wait_scored(s, 2)
+        for index in (0, 1, 2):
+            r = requests.post(s.base_url + "/feedback",
+                              json={"session_id": "rated", "turn_index": index, "reward": -1})
+            assert r.status_code == 200, r.text
+        # the judge could not decide any turn
+        run_session(s, "unsure", ["[votes garbage,garbage,garbage] hmm",
+                                  "[votes 0,0,0] wait", "[votes 1,-1,0] ok"])
+        # one turn rated -1, one judged -1: only the judged one may be lifted
+        run_session(s, "mixed", ["[votes -1,-1,-1] no", "[votes -1,-1,-1] not that either"],
+                    done=False)
+        wait_scored(s, 8)  # the open sessions' last turns wait for their close
+        requests.post(s.base_url + "/feedback",
+                      json={"session_id": "mixed", "turn_index": 0, "reward": -1})
+        requests.post(s.base_url + "/sessions/rated/end")
+        requests.post(s.base_url + "/sessions/mixed/end")
+        health = wait_scored(s, 10)
+        wait_lines(tmp_path, "release", 10)
+    releases = lines(tmp_path, "release")
+    lifted = [(r["session_id"], r["index"]) for r in releases if r["reason"] == "at_least_one"]
+    assert lifted == [("mixed", 1)]
+    rated = [r for r in releases if r["session_id"] == "rated"]
+    assert rated and all(r["reward"] is None or r["reward"] < 0 for r in rated)
+    unsure = {r["index"]: r["reward"] for r in releases if r["session_id"] == "unsure"}
+    assert unsure == {0: None, 1: None, 2: None, 3: None}
+    mixed = {r["index"]: r["reward"] for r in releases if r["session_id"] == "mixed"
+             and r["reason"] != "feedback"}
+    assert mixed[0] == -1 and mixed[1] == 1.0
+    assert health["judge"]["lifted"] == 1 and health["judge"]["undecided"] == 3
+    assert health["judge"]["feedback_agree"] == 3  # -1 feedback on turns judged -1
+
+
+def test_feedback_under_override_is_not_sent_to_the_judge(tiny, tmp_path, judge):
+    with proxy(tiny, tmp_path, judge, at_least_one=False) as s:
+        messages = [{"role": "user", "content": "Please check the weather."}]
+        messages.append(chat(s, "ov", messages))
+        r = requests.post(s.base_url + "/feedback",
+                          json={"session_id": "ov", "turn": "last", "reward": -1})
+        assert r.json()["status"] == "pending"  # turn 0 has no next state yet
+        messages.append({"role": "user", "content": "[votes 1,1,1] thanks"})
+        chat(s, "ov", messages, **{"X-Session-Done": "1"})
+        health = wait_scored(s, 2)
+    score = by_index(tmp_path)[0]
+    assert score["reward"] == -1 and score["judge_reward"] is None
+    assert score["judge_skipped"] is True and score["votes"] == []
+    assert sum(judge.calls.values()) == 0
+    assert health["judge"]["skipped"] == 1
 
 
 # ---- bounded memory, and the records read back (the Scorer alone, no server) ----
@@ -388,7 +547,8 @@ async def test_the_scorer_forgets_finished_sessions_and_reads_its_records_back(t
             assert time.time() < deadline, scorer.stats
             await asyncio.sleep(0.02)
         assert scorer.stats.scored == 40 and len(released) == 40
-        assert [r["reward"] for r in released if r["turn"]["index"] == 1] == [1.0] * 20
+        # a reward function's -1 is a verifier's word: at-least-one never lifts it
+        assert [r["reward"] for r in released if r["turn"]["index"] == 1] == [-1.0] * 20
         # nothing of a finished session is kept but the bounded remainders
         assert scorer.ledger.tallies == {} and scorer.held == {}
         assert list(scorer.recent) == ["s18-1", "s19-0", "s19-1"]
@@ -414,6 +574,7 @@ async def test_the_scorer_forgets_finished_sessions_and_reads_its_records_back(t
         assert scorer.queue.empty() and scorer.pending == 0 and scorer.ledger.tallies == {}
         assert set(scorer.recent) == {"s18-1", "s19-0", "s19-1"}
         assert scorer.ledger.done.peek("s19-0") == 0.5 and scorer.ledger.done.peek("s17-0") == 0.5
+        assert scorer.health()["judge"]["released"] == 40  # read back from the records
         assert scorer.ledger.settle() == []
     finally:
         scorer.close()

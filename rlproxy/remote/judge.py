@@ -47,6 +47,10 @@ class TinkerJudge:
         tokens = [t for t in reply.sequences[0].tokens if t not in eos]
         return self.tokenizer.decode(tokens)
 
+    async def verdict(self, prompt: str, words: list[str]) -> None:
+        """No top log-probs from a Tinker sampler here: the scorer falls back to votes."""
+        return None
+
     async def teacher_logprobs(self, prompt_ids: list[int], completion_ids: list[int]):
         """log p(completion | prompt) per token under the service's base model, at
         temperature 1 (what the engine records)."""

@@ -1,11 +1,18 @@
 """Judge and teacher backends: where votes, hints and teacher log-probs come from.
 
-Two backends with the same two async methods, `complete(messages, temperature, max_tokens,
-seed) -> str` and `teacher_logprobs(prompt_ids, completion_ids) -> list[float]`:
+Two backends with the same three async methods, `complete(messages, temperature, max_tokens,
+seed) -> str`, `verdict(prompt, words) -> {token: log-prob} | None` (the log-probs at the label
+position of a raw-text prompt that ends where the label goes: one forward pass, no sampling;
+None: the backend gives no log-probs, and the scorer falls back to votes) and
+`teacher_logprobs(prompt_ids, completion_ids) -> list[float]`:
 - LocalJudge: a second, adapter-free copy of the base model in its own thread (so judging can
   never change the serving adapter). While live requests are decoding it pauses between tokens
   (`judge_yield_ms`), so it cannot starve them.
-- RemoteJudge: any OpenAI-compatible URL for votes and hints; for teacher log-probs it needs a
+  Its verdicts reuse the KV of the prompt's constant head (the few-shot examples before the
+  first placeholder), so each verdict prefills only this turn's part.
+- RemoteJudge: any OpenAI-compatible URL for votes and hints; verdicts through its
+  `/completions` with `logprobs` (OpenAI's legacy shape, as vLLM answers it, or the
+  `logprobs: true, top_logprobs` shape of mlx-lm's server); for teacher log-probs it needs a
   server that returns prompt log-probs for token-id prompts (vLLM's /v1/completions with
   `prompt_logprobs`), serving a model with the serving model's tokenizer.
 Transport failures are retried with exponential backoff; what is still failing after the retries
@@ -23,6 +30,7 @@ from typing import Callable
 
 import aiohttp
 
+from rlproxy.scoring.judging import label_variants, split_head
 from rlproxy.scoring.rewards import settle
 
 log = logging.getLogger("rlproxy.judges")
@@ -33,6 +41,10 @@ class JudgeUnavailable(Exception):
     """The judge could not be reached (after retries): try the turn again later."""
 
 
+class JudgeRefused(JudgeUnavailable):
+    """The judge answered the request with a 4xx: asking again will not help."""
+
+
 class LocalJudge:
     def __init__(self, model, tokenizer, busy: Callable[[], bool] = lambda: False,
                  yield_ms: float = 20.0):
@@ -40,6 +52,7 @@ class LocalJudge:
         self.busy, self.yield_s = busy, yield_ms / 1000
         self._tasks: queue.Queue = queue.Queue()
         self._closing = False
+        self._head = None  # (head text, its prefilled KV cache): verdicts only, judge thread
         self._thread = threading.Thread(target=self._run, name="rlproxy-judge", daemon=True)
         self._thread.start()
 
@@ -76,6 +89,50 @@ class LocalJudge:
 
     async def teacher_logprobs(self, prompt_ids: list[int], completion_ids: list[int]):
         return await self._call(self._logprobs, prompt_ids, completion_ids)
+
+    async def verdict(self, prompt: str, words: list[str]) -> dict[str, float]:
+        return await self._call(self._verdict, prompt, words)
+
+    def _verdict(self, prompt: str, words: list[str]) -> dict[str, float]:
+        """log p(next token) for each single-token spelling of WORDS after PROMPT (exact: the
+        full distribution, not a top-k). The head of PROMPT up to its first "\n\n" before
+        the turn's own text is prefilled once and its KV kept; each verdict prefills the rest."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        from rlproxy.serving.logprobs import log_softmax, prefill, spans
+
+        head, tail = split_head(prompt)
+        if self._head is None or self._head[0] != head:
+            ids = self.tokenizer.encode(head)
+            self._head = (head, prefill(self.model, ids, spans(len(ids), PREFILL_STEP),
+                                        self._yield))
+        cache = self._head[1]
+        ids = self.tokenizer.encode(tail, add_special_tokens=False)
+        try:
+            for a, b in spans(len(ids) - 1, PREFILL_STEP):
+                self.model(mx.array(ids[a:b])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+                self._yield(0.0)
+            lp = log_softmax(self.model(mx.array(ids[-1:])[None], cache=cache)[0, -1])
+            mx.eval(lp)
+        finally:
+            trim_prompt_cache(cache, len(ids))  # back to the head alone
+        return {spelling: lp[token].item() for spelling, token in self._label_tokens(words)}
+
+    def _label_tokens(self, words: list[str]) -> list[tuple[str, int]]:
+        """(spelling, token id) of each label's spellings: the spelling's first token (a word
+        that is not one token is read by its first), each token once, and none that two
+        labels share (it cannot tell them apart)."""
+        firsts: dict[int, set[str]] = {}
+        spelled: dict[int, str] = {}
+        for word in words:
+            for spelling in label_variants(word):
+                ids = self.tokenizer.encode(spelling, add_special_tokens=False)
+                if ids:
+                    firsts.setdefault(ids[0], set()).add(word)
+                    spelled.setdefault(ids[0], spelling)
+        return [(spelled[t], t) for t, owners in firsts.items() if len(owners) == 1]
 
     def _generate(self, messages, temperature, max_tokens, seed) -> str:
         from mlx_lm.generate import generate_step
@@ -118,6 +175,7 @@ class RemoteJudge:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
+        self._shape: dict | None = None  # the log-prob request shape the server took
 
     async def close(self) -> None:
         if self._session is not None:
@@ -133,7 +191,7 @@ class RemoteJudge:
                     if resp.status == 429 or resp.status >= 500:
                         last = f"HTTP {resp.status}"
                     elif resp.status >= 400:
-                        raise JudgeUnavailable(f"{url} answered HTTP {resp.status}: "
+                        raise JudgeRefused(f"{url} answered HTTP {resp.status}: "
                                                f"{(await resp.text())[:200]}")
                     else:
                         return await resp.json(content_type=None)
@@ -153,6 +211,24 @@ class RemoteJudge:
         except (KeyError, IndexError, TypeError):
             return ""  # a malformed answer is an invalid vote, not an outage
 
+    async def verdict(self, prompt: str, words: list[str]) -> dict[str, float] | None:
+        """The top log-probs of the one token after PROMPT, from `/completions`; None when the
+        server gives none (the scorer then falls back to votes). Asks in OpenAI's legacy shape
+        (`logprobs: 20`) and, if that is refused with a 4xx, in the `logprobs: true,
+        top_logprobs` shape (mlx-lm's server), remembering which one worked. Both refused (a
+        server without `/completions`): None too. A 5xx or no answer is an outage."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        shapes = [self._shape] if self._shape else list(LOGPROB_SHAPES)
+        for shape in shapes:
+            try:
+                data = await self._post(f"{self.url}/completions", {**body, **shape})
+            except JudgeRefused as e:  # not this shape, or no /completions at all
+                log.info("judge %s refused log-probs as %s: %s", self.url, shape, e)
+                continue
+            self._shape = shape
+            return top_logprobs(data)
+        return None
+
     async def teacher_logprobs(self, prompt_ids: list[int], completion_ids: list[int]):
         url = (self.teacher_url or self.url).rstrip("/")
         data = await self._post(f"{url}/completions", {
@@ -161,3 +237,25 @@ class RemoteJudge:
         # vLLM: choices[0].prompt_logprobs[i] = {str(token_id): {"logprob": ...}} (None at 0)
         rows = data["choices"][0]["prompt_logprobs"][len(prompt_ids):]
         return [row[str(tid)]["logprob"] for row, tid in zip(rows, completion_ids)]
+
+
+# the two ways OpenAI-compatible servers are asked for the top log-probs of a completion token
+LOGPROB_SHAPES = ({"logprobs": 20}, {"logprobs": True, "top_logprobs": 10})
+
+
+def top_logprobs(data: dict) -> dict[str, float] | None:
+    """{token: log-prob} of the first completion token of a `/completions` answer, in either
+    shape servers use: OpenAI's legacy `logprobs.top_logprobs[0]` ({token: lp}, as vLLM) or
+    `logprobs.content[0].top_logprobs` ([{token, logprob}], as mlx-lm's server). None when the
+    answer carries no log-probs."""
+    try:
+        logprobs = data["choices"][0].get("logprobs") or {}
+        if logprobs.get("top_logprobs"):
+            first = logprobs["top_logprobs"][0]
+            return {str(t): float(lp) for t, lp in first.items()} or None
+        if logprobs.get("content"):
+            first = logprobs["content"][0].get("top_logprobs") or []
+            return {str(e["token"]): float(e["logprob"]) for e in first} or None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        pass
+    return None

@@ -41,6 +41,8 @@ A choice with neither a reward nor teacher log-probs is not released.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import statistics
 from collections import Counter
@@ -50,16 +52,44 @@ BOXED = re.compile(r"\\boxed\{\s*([+-]?\d+)\s*\}")
 HINT = re.compile(r"\[HINT_START\](.*?)\[HINT_END\]", re.S)
 
 
-def load_prompts(folder: Path) -> dict[str, str]:
+PROMPT_FILES = ("judge.txt", "hint.txt", "verdict.txt", "verdict.json")
+
+
+def load_prompts(folder: Path) -> dict:
+    """The judge's prompts of FOLDER: judge.txt (votes), hint.txt (OPD), verdict.txt (log-prob
+    verdicts) and verdict.json (the verdict's label words and calibrations)."""
     folder = Path(folder)
-    prompts = {}
-    for name in ("judge", "hint"):
-        path = folder / f"{name}.txt"
+    prompts: dict = {}
+    for name in PROMPT_FILES:
+        path = folder / name
         if not path.exists():
             raise ValueError(f"missing judge prompt {path}; point --prm-prompts at a folder "
-                             "with judge.txt and hint.txt")
-        prompts[name] = path.read_text()
+                             f"with {', '.join(PROMPT_FILES)}")
+        prompts[name.replace(".", "_")] = path.read_text()
+    try:
+        prompts["verdict_json"] = check_verdict_config(json.loads(prompts["verdict_json"]))
+    except ValueError as e:
+        raise ValueError(f"{folder / 'verdict.json'}: {e}") from None
     return prompts
+
+
+def check_verdict_config(config) -> dict:
+    """verdict.json: {"labels": {"good": 1, "bad": -1}, "calibration": {judge name:
+    {"scale": a, "bias": b}}}: the label words the prompt ends on, and per judge model the
+    Platt scaling that maps the log-odds of the two labels to a probability."""
+    labels = config.get("labels") if isinstance(config, dict) else None
+    if not isinstance(labels, dict) or sorted(labels.values()) != [-1, 1] or not all(
+            isinstance(w, str) and w.strip() == w and w for w in labels):
+        raise ValueError('"labels" must map two words to 1 and -1, e.g. '
+                         '{"good": 1, "bad": -1}')
+    calibration = config.get("calibration", {})
+    if not isinstance(calibration, dict) or not all(
+            isinstance(c, dict) and all(isinstance(c.get(k), (int, float))
+                                        for k in ("scale", "bias"))
+            for c in calibration.values()):
+        raise ValueError('"calibration" must map judge model names to {"scale": number, '
+                         '"bias": number}')
+    return {"labels": labels, "calibration": calibration}
 
 
 def trim_middle(text: str, limit: int) -> str:
@@ -102,6 +132,105 @@ def fill_prompt(template: str, turn: dict, limit: int, choice: int | None = None
     for key, value in values.items():
         template = template.replace(key, value)
     return template
+
+
+VERDICT_STATE_CHARS = 700  # the next state shown to the verdict prompt: small judges, short
+
+
+def render_next_state_inline(messages: list[dict], limit: int) -> str:
+    """The next state as the verdict prompt shows it: one line per message, its role said
+    plainly ("the user's reply", "the tool's result"), whitespace folded, start and end kept."""
+    parts = []
+    for m in messages:
+        role = "tool's result" if m["role"] == "tool" else f"{m['role']}'s reply"
+        text = " ".join(str(m.get("content") or "(empty)").split())
+        parts.append(f"({role}) {text}")
+    return trim_middle(" ".join(parts), limit)
+
+
+def fill_verdict_prompt(template: str, turn: dict, limit: int,
+                        choice: int | None = None) -> str:
+    """The verdict prompt for one choice of TURN: the template's few-shot examples, then this
+    turn's next state and step, ending where the label word goes."""
+    choice = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
+    values = {"{next_state}": render_next_state_inline(turn["next_state"] or [],
+                                                       VERDICT_STATE_CHARS),
+              "{assistant_output}": " ".join(trim_middle(assistant_output(choice),
+                                                         300).split()),
+              "{user_request}": " ".join(user_request(turn["messages"], 300).split())}
+    for key, value in values.items():
+        template = template.replace(key, value)
+    return template.rstrip()
+
+
+def split_head(prompt: str) -> tuple[str, str]:
+    """A filled verdict prompt cut where the turn's own part starts (after the last blank
+    line before the final "Next"-style block): (the constant few-shot head, this turn's tail).
+    The local judge keeps the head's KV; the cut is at a blank line, where tokenization breaks
+    the same way whether the two parts are tokenized together or apart."""
+    cut = prompt.rfind("\n\n")
+    return (prompt[:cut + 2], prompt[cut + 2:]) if cut > 0 else ("", prompt)
+
+
+def label_variants(word: str) -> list[str]:
+    """The spellings of a label word that count as it: after a "Label:" prefix the model writes
+    " good", sometimes " Good"; a server may strip the space."""
+    return [" " + word, word, " " + word.capitalize(), word.capitalize()]
+
+
+def normal_token(token: str) -> str:
+    """A token string as servers spell it ("Ġgood" from byte-level BPE, "▁good" from
+    SentencePiece) -> " good"."""
+    return token.replace("\u0120", " ").replace("\u2581", " ")
+
+
+def label_logprobs(top: dict[str, float], labels: dict[str, int]) -> dict[int, float] | None:
+    """{token: log-prob} at the label position -> {1: log p(good), -1: log p(bad)}, each the
+    log of the summed probability of the label's spellings. A label missing from TOP gets the
+    smallest log-prob in TOP (an upper bound: it ranked below all of them); None when neither
+    label is there (no verdict)."""
+    found: dict[int, list[float]] = {1: [], -1: []}
+    for token, lp in top.items():
+        for word, polarity in labels.items():
+            if normal_token(token) in label_variants(word) or normal_token(
+                    token).strip().lower() == word.lower():
+                found[polarity].append(lp)
+                break
+    if not found[1] and not found[-1]:
+        return None
+    floor = min(top.values())
+    return {p: _logsumexp(lps) if lps else floor for p, lps in found.items()}
+
+
+def _logsumexp(xs: list[float]) -> float:
+    top = max(xs)
+    return top + math.log(sum(math.exp(x - top) for x in xs))
+
+
+def calibrated(z: float, calibration: dict | None) -> float:
+    """P(good) from the log-odds z = log p(good) - log p(bad), by Platt scaling
+    sigmoid(scale * z + bias); without a calibration, sigmoid(z) (the raw two-label odds)."""
+    c = calibration or {"scale": 1.0, "bias": 0.0}
+    x = c["scale"] * z + c["bias"]
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+def read_verdict(top: dict[str, float] | None, labels: dict[str, int],
+                 calibration: dict | None, min_margin: float) -> dict:
+    """One log-prob verdict: the label probabilities, the calibrated P(good), the reward (the
+    expected score 2P - 1 in [-1, 1], +1 for good and -1 for bad), the margin |2P - 1|, and
+    whether it is decided (a verdict whose margin is at least MIN_MARGIN). Undecided: the reward
+    is None, so the judge gives the turn nothing to train on and at-least-one never lifts it."""
+    lps = label_logprobs(top, labels) if top else None
+    if lps is None:
+        return {"label_logprobs": None, "p_good": None, "margin": None, "decided": False,
+                "reward": None}
+    p = calibrated(lps[1] - lps[-1], calibration)
+    reward = 2 * p - 1
+    decided = abs(reward) >= min_margin
+    return {"label_logprobs": {"1": round(lps[1], 4), "-1": round(lps[-1], 4)},
+            "p_good": round(p, 4), "margin": round(abs(reward), 4), "decided": decided,
+            "reward": round(reward, 4) if decided else None}
 
 
 def parse_vote(text: str) -> int | None:
@@ -162,12 +291,18 @@ def token_advantages(behaviour_lp: list[float], teacher_lp: list[float] | None,
     return [w_opd * (t - b) + rl for t, b in zip(teacher_lp, behaviour_lp)]
 
 
-def at_least_one(rewards: dict[str, tuple[int, float]]) -> str | None:
+def at_least_one(rewards: dict[str, tuple[int, float]],
+                 liftable: set[str] | None = None) -> str | None:
     """{uid: (turn index, reward)} of a closed session's scored turns -> the uid to lift to +1,
-    or None when some turn is already positive (or none was scored). Ties: the latest turn."""
+    or None when some turn is already positive (or none was scored). Only a LIFTABLE turn is
+    lifted (default: any): one whose reward is the judge's decided verdict alone, never one a
+    person rated (feedback) or a reward function scored. Ties: the latest turn."""
     if not rewards or any(r > 0 for _, r in rewards.values()):
         return None
-    return max(rewards, key=lambda uid: (rewards[uid][1], rewards[uid][0]))
+    candidates = [u for u in rewards if liftable is None or u in liftable]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda uid: (rewards[uid][1], rewards[uid][0]))
 
 
 # ---- group baselines (GRPO) and what is released to the trainer ----

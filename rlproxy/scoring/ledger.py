@@ -9,7 +9,10 @@ release per choice.
 The rule (README "At least one"): a scored turn with reward > 0, or no reward, is released at
 once. One with reward <= 0 is held while its session may still be lifted: when the session's
 last turn is scored and nothing of it is still pending, if no turn of it scored > 0, its best
-turn (the latest among equals) is released with +1 and the rest with their own rewards. With
+liftable turn (the latest among equals) is released with +1 and the rest with their own
+rewards. Liftable: the reward is the judge's decided verdict alone. A turn with explicit
+feedback (a person's word) or a reward function's score is never lifted, and an undecided
+turn has no reward, so it is released at once and never lifted either. With
 at-least-one off every turn is released when scored.
 
 Bounded: a session's state lives until it closes; then only its uids are kept, in an LRU of
@@ -66,6 +69,7 @@ class Tally:
     pending: set[str] = field(default_factory=set)  # submitted, not scored yet
     scored: dict[str, tuple[int, float | None]] = field(default_factory=dict)  # uid -> (index, r)
     held: set[str] = field(default_factory=set)  # scored, waiting for the session to close
+    liftable: set[str] = field(default_factory=set)  # rewarded by the judge's verdict alone
     closed: bool = False  # its last turn has been scored
 
 
@@ -104,13 +108,18 @@ class Ledger:
         self.pending += 1
         return True
 
-    def score(self, uid: str, index: int, reward: float | None, final: bool) -> list[Release]:
-        """A submitted turn was scored; `final`: it is the last turn of its session."""
+    def score(self, uid: str, index: int, reward: float | None, final: bool,
+              liftable: bool = True) -> list[Release]:
+        """A submitted turn was scored; `final`: it is the last turn of its session;
+        `liftable`: its reward is the judge's decided verdict alone (no feedback, no reward
+        function), so at-least-one may lift it."""
         sid = self.session_of[uid]
         tally = self.tallies[sid]
         tally.pending.discard(uid)
         self.pending -= 1
         tally.scored[uid] = (index, reward)
+        if liftable:
+            tally.liftable.add(uid)
         tally.closed |= final
         out = []
         if self.at_least_one and reward is not None and reward <= 0:
@@ -131,6 +140,7 @@ class Ledger:
             return "unknown", []
         tally = self.tallies[sid]
         tally.scored[uid] = (tally.scored[uid][0], reward)
+        tally.liftable.discard(uid)  # a person said what it is worth: never lifted over that
         if uid not in tally.held:
             return "rescored", [Release(uid, reward, "feedback")]
         if reward > 0:
@@ -150,15 +160,25 @@ class Ledger:
     # ---- start-up: the records read back ----
 
     def restore(self, uid: str, session_id: str, index: int, reward: float | None,
-                final: bool) -> None:
+                final: bool, liftable: bool = True) -> None:
         """A `score` line read back: held until its `release` line is read too."""
         if uid in self.done:
             return
         tally = self.tallies.setdefault(session_id, Tally())
         self.session_of[uid] = session_id
         tally.scored[uid] = (index, reward)
+        if liftable:
+            tally.liftable.add(uid)
+        else:
+            tally.liftable.discard(uid)
         tally.held.add(uid)
         tally.closed |= final
+
+    def restore_feedback(self, uid: str) -> None:
+        """A `feedback` line read back for a scored turn: it is never lifted."""
+        sid = self.session_of.get(uid)
+        if sid is not None:
+            self.tallies[sid].liftable.discard(uid)
 
     def restore_release(self, uid: str, reward: float | None) -> None:
         """A `release` line read back (its latest reward wins)."""
@@ -189,7 +209,7 @@ class Ledger:
         if not tally.closed or tally.pending:
             return []
         rewards = {u: (i, r) for u, (i, r) in tally.scored.items() if r is not None}
-        lift = at_least_one(rewards) if self.at_least_one else None
+        lift = at_least_one(rewards, tally.liftable) if self.at_least_one else None
         out = []
         for uid in sorted(tally.held, key=lambda u: tally.scored[u][0]):
             if uid == lift:

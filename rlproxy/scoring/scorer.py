@@ -59,6 +59,50 @@ class ScorerStats:
     function_errors: int = 0  # reward function calls that failed
 
 
+@dataclass
+class JudgeHealth:
+    """Is the judge a sensor? Counted over the chosen choices' score and release lines in
+    prm_scores.jsonl (read back at start-up, then live)."""
+
+    good: int = 0  # decided verdicts > 0
+    bad: int = 0  # decided verdicts < 0
+    undecided: int = 0  # judged, but no verdict or a margin under --prm-min-margin
+    skipped: int = 0  # not judged: feedback or a reward function decided it (override)
+    lifted: int = 0  # turns at-least-one released with +1
+    released: int = 0  # turns released (chosen choices; feedback re-releases not counted)
+    feedback_agree: int = 0  # explicit feedback and a decided verdict with the same sign
+    feedback_disagree: int = 0  # ... with opposite signs
+
+    def count(self, line: dict) -> None:
+        """A score line: its verdict."""
+        if line.get("judge_skipped"):
+            self.skipped += 1
+        elif line.get("judge_reward") is not None:
+            if line["judge_reward"] > 0:
+                self.good += 1
+            elif line["judge_reward"] < 0:
+                self.bad += 1
+        elif line.get("judged"):
+            self.undecided += 1
+
+    def compare(self, judge: float | None, feedback: float | None) -> None:
+        """Explicit feedback met a decided verdict: do they agree?"""
+        if judge is None or feedback is None or judge == 0 or feedback == 0:
+            return
+        if (judge > 0) == (feedback > 0):
+            self.feedback_agree += 1
+        else:
+            self.feedback_disagree += 1
+
+    def summary(self) -> dict:
+        judged = self.good + self.bad + self.undecided
+        both = self.feedback_agree + self.feedback_disagree
+        return {**asdict(self),
+                "undecided_share": self.undecided / judged if judged else None,
+                "lifted_share": self.lifted / self.released if self.released else None,
+                "feedback_agreement": self.feedback_agree / both if both else None}
+
+
 def pack(record: dict) -> bytes:
     # A turn as JSON bytes: ~5x smaller than its lists of Python ints.
     return orjson.dumps(record, option=orjson.OPT_NON_STR_KEYS)
@@ -78,10 +122,15 @@ class Scorer:
     def __init__(self, settings: ScoringSettings, data_dir: Path, judge, teacher, tokenizer,
                  fsync: bool = True, on_released: Callable[[dict], None] | None = None,
                  baseline: str = "mean", keep_recent: int = KEEP_RECENT,
-                 recent_mb: float = RECENT_MB, keep_scored: int = KEEP_SCORED):
+                 recent_mb: float = RECENT_MB, keep_scored: int = KEEP_SCORED,
+                 judge_name: str = "default"):
         self.s, self.judge, self.teacher, self.tokenizer = settings, judge, teacher, tokenizer
+        # log-prob verdicts until a judge without log-probs makes it fall back to votes
+        self.verdict_mode = settings.prm_verdict
+        self.judge_name = judge_name  # its calibration's key in verdict.json
         self.baseline = baseline  # settings.trainer.baseline: group | group-std | mean | none
         self.prompts = scoring.load_prompts(settings.prm_prompts)
+        self.calibration = self._calibration(judge_name)
         self.rewards = RewardFunctions(settings.reward_functions, settings.reward_timeout_s)
         self.data_dir = Path(data_dir)
         self.on_released = on_released or (lambda scored: None)
@@ -97,6 +146,7 @@ class Scorer:
         self.feedback: LRU[str, tuple[float, str | None]] = LRU(KEEP_FEEDBACK)  # not scored
         self.waiting: list[dict] = []  # deferred by a judge outage
         self.stats = ScorerStats()
+        self.judge_health = JudgeHealth()
         self.semaphore = asyncio.Semaphore(settings.judge_concurrency)
         self._replay()
         self.writer = JsonlWriter(self.data_dir / paths.SCORES, fsync=fsync)
@@ -107,7 +157,23 @@ class Scorer:
 
     def health(self) -> dict:
         """What /healthz shows under "scoring"."""
-        return {**asdict(self.stats), "pending": self.pending, "method": self.s.method}
+        return {**asdict(self.stats), "pending": self.pending, "method": self.s.method,
+                "verdict": self.verdict_mode if self.s.judge else None,
+                "judge": self.judge_health.summary()}
+
+    def _calibration(self, name: str) -> dict | None:
+        """verdict.json's calibration for the judge model NAME (None: the raw odds)."""
+        calibration = self.prompts["verdict_json"]["calibration"].get(name)
+        if self.s.judge and self.s.prm_verdict == "logprob" and self.s.method != "opd":
+            if calibration is None:
+                log.warning("no calibration for judge %r in %s: log-prob verdicts use the raw "
+                            "odds of the two labels (fit one with bench/judge_accuracy.py "
+                            "--calibrate --judge-name %s)", name,
+                            Path(self.s.prm_prompts) / "verdict.json", name)
+            else:
+                log.info("judge %r: log-prob verdicts, calibration scale %s bias %s", name,
+                         calibration["scale"], calibration["bias"])
+        return calibration
 
     # ---- what it knows (thread-safe) ----
 
@@ -149,14 +215,20 @@ class Scorer:
                 held[uid] = line
                 self.summaries.put(uid, summary(line))
                 self.ledger.restore(uid, line["session_id"], line["index"], line["reward"],
-                                    line["final"])
+                                    line["final"], liftable(line))
+                self.judge_health.count(line)
             elif kind == "release" and line.get("key", uid) == uid:  # the chosen choice's
                 self.ledger.restore_release(uid, line["reward"])
+                if line.get("reason") != "feedback":
+                    self.judge_health.released += 1
+                self.judge_health.lifted += line.get("reason") == "at_least_one"
                 score = held.pop(uid, None) or recent.pop(uid, None)
                 if score is not None:
                     recent.put(uid, score)
             elif kind == "feedback":
                 feedback[uid] = (line["reward"], line.get("comment"))
+                if uid in scored:  # a person's word: never lifted over
+                    self.ledger.restore_feedback(uid)
         self.feedback.max_items = None  # all of it, as written; the next one trims
         for uid, f in feedback.items():
             if uid not in scored:
@@ -231,8 +303,8 @@ class Scorer:
     async def _ask(self, kind: str, record: dict, choice: int) -> list[dict]:
         """m answers to one prompt about one choice; all failing to reach the judge is an
         outage."""
-        text = scoring.fill_prompt(self.prompts[kind], record, self.s.prm_max_context_chars,
-                                   choice)
+        text = scoring.fill_prompt(self.prompts[f"{kind}_txt"], record,
+                                   self.s.prm_max_context_chars, choice)
         messages = [{"role": "user", "content": text}]
         key = scoring.choice_key(record["uid"], choice, record.get("chosen_choice", 0))
         answers = await asyncio.gather(*[
@@ -250,6 +322,24 @@ class Scorer:
             v["vote"] = scoring.parse_vote(v["text"]) if v["text"] is not None else None
         return votes
 
+    async def _verdict(self, record: dict, choice: int) -> dict | None:
+        """One log-prob verdict on one choice (scoring/judging.py reads it); None when the judge
+        gives no log-probs."""
+        text = scoring.fill_verdict_prompt(self.prompts["verdict_txt"], record,
+                                           self.s.prm_max_context_chars, choice)
+        labels = self.prompts["verdict_json"]["labels"]
+        top = await self._limited(lambda: self.judge.verdict(text, list(labels)))
+        if top is None:
+            return None
+        return scoring.read_verdict(top, labels, self.calibration, self.s.prm_min_margin)
+
+    def _fall_back_to_votes(self) -> None:
+        if self.verdict_mode != "votes":
+            self.verdict_mode = "votes"
+            log.warning("the judge (%s) returns no log-probs: PRM verdicts fall back to votes "
+                        "(--prm-m %d sampled answers of judge.txt); --prm-verdict votes asks "
+                        "for votes from the start", self.judge_name, self.s.prm_m)
+
     def _teacher_prompt(self, record: dict, hint: str) -> list[int]:
         """On a worker thread: a long prompt's chat template takes a while."""
         messages = scoring.hinted_messages(record["messages"], hint)
@@ -264,11 +354,30 @@ class Scorer:
         judged = everyone if self.s.score_all_choices else [chosen]
         has_next = record["next_state"] is not None
         rl, opd = self.s.method in ("rl", "combine"), self.s.method in ("opd", "combine")
-        votes, judge, teacher, hint = {}, {}, {}, None
-        if rl and has_next and self.s.judge:
-            asked = await asyncio.gather(*[self._votes(record, i) for i in judged])
-            votes = dict(zip(judged, asked))
-            judge = {i: scoring.majority([v["vote"] for v in vs]) for i, vs in votes.items()}
+        votes, verdicts, judge, teacher, hint = {}, {}, {}, {}, None
+        functions, errors = {}, []
+        if rl and self.rewards:
+            functions, errors = await self.rewards.score(record, everyone)
+        pending_feedback = self.feedback.peek(uid)
+        # under override a choice whose reward feedback or a function decides is not judged:
+        # the judge's answer could not count
+        skipped = [i for i in judged if self.s.feedback_mode == "override" and (
+            functions.get(i) is not None or (pending_feedback is not None and i == chosen))]
+        asked = [i for i in judged if i not in skipped]
+        if rl and has_next and self.s.judge and asked:
+            if self.verdict_mode == "logprob":
+                got = await asyncio.gather(*[self._verdict(record, i) for i in asked])
+                if any(v is None for v in got):  # the judge gives no log-probs
+                    self._fall_back_to_votes()
+                else:
+                    verdicts = dict(zip(asked, got))
+                    judge = {i: v["reward"] for i, v in verdicts.items()}
+            if self.verdict_mode == "votes":
+                got = await asyncio.gather(*[self._votes(record, i) for i in asked])
+                votes = dict(zip(asked, got))
+                # no valid vote, a tie or a majority of 0: undecided (no judge reward)
+                judge = {i: scoring.majority([v["vote"] for v in vs]) or None
+                         for i, vs in votes.items()}
         if opd and has_next:
             hints = await self._ask("hint", record, chosen)
             hint = scoring.best_hint([h["text"] for h in hints if h["text"]])
@@ -278,9 +387,6 @@ class Scorer:
                     lambda i=i: self.teacher.teacher_logprobs(
                         prompt_ids, record["choices"][i]["completion_ids"])) for i in judged])
                 teacher = dict(zip(judged, lps))
-        functions, errors = {}, []
-        if rl and self.rewards:
-            functions, errors = await self.rewards.score(record, everyone)
         feedback = self.feedback.pop(uid, None)
 
         def reward(i):  # feedback is about the reply the conversation went on from
@@ -291,7 +397,8 @@ class Scorer:
         def figures(i):
             return {"votes": [{"vote": v.get("vote"), "text": v["text"], "error": v["error"]}
                               for v in votes.get(i, [])],
-                    "judge_reward": judge.get(i), "function_reward": functions.get(i),
+                    "verdict": verdicts.get(i), "judge_reward": judge.get(i),
+                    "function_reward": functions.get(i),
                     "reward": reward(i), "teacher_logprobs": teacher.get(i)}
 
         lp, behaviour = teacher.get(chosen), record["choices"][chosen]["logprobs"]
@@ -303,6 +410,8 @@ class Scorer:
                 "tokens": len(lp), "mean_teacher_lp": sum(lp) / max(1, len(lp)),
                 "mean_behaviour_lp": sum(behaviour) / max(1, len(behaviour))},
             "function_errors": errors,
+            "judged": chosen in votes or chosen in verdicts,
+            "judge_skipped": bool(rl and has_next and self.s.judge and chosen in skipped),
             "judge_latency_s": round(time.time() - started, 3),
             "final": record["end"] is not None,
         }
@@ -318,7 +427,10 @@ class Scorer:
         self.held[uid] = (line, packed)
         self.summaries.put(uid, summary(line))
         with self._lock:
-            releases = self.ledger.score(uid, record["index"], line["reward"], line["final"])
+            releases = self.ledger.score(uid, record["index"], line["reward"], line["final"],
+                                         liftable(line))
+        self.judge_health.count(line)
+        self.judge_health.compare(line["judge_reward"], line["feedback"])
         metrics.observe_score(line)
         self.stats.scored += 1
         self.stats.function_errors += len(errors)
@@ -361,7 +473,10 @@ class Scorer:
         self.stats.released += len(lines)
         if feedback and release.reward is not None:  # a reward scoring never saw
             metrics.REWARD.observe(release.reward)
+        if release.reason != "feedback":
+            self.judge_health.released += 1
         if release.reason == "at_least_one":
+            self.judge_health.lifted += 1
             log.info("at_least_one session=%s turn=%s reward=+1", line["session_id"],
                      line["index"])
         if packed is None:
@@ -395,6 +510,7 @@ class Scorer:
         return self._apply_feedback(uid, line, reward)
 
     def _apply_feedback(self, uid: str, line: dict, reward: float) -> str:
+        self.judge_health.compare(line.get("judge_reward"), reward)
         new = scoring.final_reward(line["judge_reward"], line["function_reward"], reward,
                                    self.s.feedback_mode)
         for same in (line, self.summaries.peek(uid)):
@@ -407,6 +523,13 @@ class Scorer:
         for release in releases:
             self._release(release)
         return status
+
+
+def liftable(line: dict) -> bool:
+    """May at-least-one lift this turn? Only when its reward is the judge's decided verdict
+    alone: never over a person's feedback or a reward function's score."""
+    return (line.get("feedback") is None and line.get("function_reward") is None
+            and line.get("judge_reward") is not None)
 
 
 def _log_failure(future) -> None:
