@@ -18,6 +18,13 @@ Judge modes:
   `\\boxed{}`, majority. Slow (hundreds of tokens per vote on a CPU), so by default on the first
   `--votes-cases` test cases with `--votes-m` votes of `--votes-max-tokens` tokens.
 
+- `opd-direction`: not a judge but OPD's signal on the same cases: the base model as teacher
+  with the next state appended to the prompt as hindsight (`scoring.hinted_messages`), minus
+  the base model as student without it, per token of the assistant's output, averaged. OPD
+  pushes a completion up where this is > 0, so it points the right way when the worked (+1)
+  outputs get more than the failed (-1) ones. Prints the mean for each label, the share with
+  the right sign and the AUC.
+
 Per mode and split it prints: AUC of P(good) over the +1/-1 cases, accuracy on the +1/-1 cases
 (a case counts right only if the verdict is decided and has the right sign), the share
 undecided (all cases, and the label-0 cases alone, where undecided is right), the expected
@@ -184,6 +191,40 @@ async def judge_logprob(judge, prompts: dict, calibration: dict | None, min_marg
     return rows
 
 
+def opd_direction(model, tokenizer, cases: list[dict]) -> list[dict]:
+    """Per +1/-1 case: the mean over the output's tokens of log p_teacher - log p_student, the
+    teacher being the model given the next state as a hint."""
+    from rlproxy.serving.chat_template import render_prompt
+    from rlproxy.serving.logprobs import sequence_logprobs
+
+    rows = []
+    for case in cases:
+        if case["label"] not in (1, -1):
+            continue
+        turn = as_turn(case)
+        completion = tokenizer.encode(judging.assistant_output(turn["choices"][0]),
+                                      add_special_tokens=False)
+        hint = judging.render_next_state(case["next_state"], judging.VERDICT_STATE_CHARS)
+        tic = time.perf_counter()
+        gaps = []
+        for messages in (judging.hinted_messages(turn["messages"], hint), turn["messages"]):
+            prompt = render_prompt(tokenizer, messages, None)
+            gaps.append(sequence_logprobs(model, prompt + completion, start=len(prompt)))
+        advantage = (gaps[0] - gaps[1]).mean().item()
+        rows.append({"id": case["id"], "label": case["label"], "split": case["split"],
+                     "advantage": advantage, "seconds": time.perf_counter() - tic})
+    return rows
+
+
+def summarize_opd(rows: list[dict]) -> dict:
+    good = [r["advantage"] for r in rows if r["label"] == 1]
+    bad = [r["advantage"] for r in rows if r["label"] == -1]
+    right = sum((r["advantage"] > 0) == (r["label"] == 1) for r in rows)
+    return {"cases": len(rows), "mean_advantage_good": sum(good) / len(good),
+            "mean_advantage_bad": sum(bad) / len(bad), "right_sign": right / len(rows),
+            "auc": auc([r["advantage"] for r in rows], [r["label"] for r in rows])}
+
+
 async def judge_votes(judge, prompts: dict, cases: list[dict], m: int, max_tokens: int,
                       temperature: float) -> list[dict]:
     rows = []
@@ -210,12 +251,15 @@ def free_port() -> int:
 
 
 class MlxLmServer:
-    """mlx-lm's own OpenAI-compatible server on the model, as a judge URL."""
+    """mlx-lm's own OpenAI-compatible server on the model, as a judge URL (started after
+    `import rlproxy`, which preloads the same BLAS as the local judge has: without it MLX's
+    Linux wheel computes with its reference BLAS, ~30x slower)."""
 
     def __init__(self, path: str):
         self.port = free_port()
+        start = "import rlproxy; from mlx_lm.server import main; main()"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_lm.server", "--model", path, "--port", str(self.port)],
+            [sys.executable, "-c", start, "--model", path, "--port", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}/v1"
         deadline = time.time() + 180
@@ -246,13 +290,25 @@ async def run(args) -> dict:
                      "calibration": calibration, "modes": {}}
     local = server = remote = None
     try:
-        if any(m.endswith("-local") for m in modes):
+        if any(m.endswith("-local") or m == "opd-direction" for m in modes):
             model, tokenizer = load_base_model(ModelSettings(model=args.model))
             local = LocalJudge(model, tokenizer, yield_ms=0)
         if any(m.endswith("-url") for m in modes):
             server = MlxLmServer(resolve_model_path(ModelSettings(model=args.model))[0])
-            remote = RemoteJudge(server.url, "default", None, 120.0, 1)
+            remote = RemoteJudge(server.url, "default_model", None, 120.0, 1)  # mlx-lm: its model
         for mode in modes:
+            if mode == "opd-direction":
+                model, tokenizer = local.model, local.tokenizer  # the judge thread is idle
+                rows = opd_direction(model, tokenizer, cases)
+                out = {s: summarize_opd([r for r in rows if r["split"] == s])
+                       for s in ("tune", "test")}
+                results["modes"][mode] = {**out, "rows": rows}
+                for s, f in out.items():
+                    print(f"opd-direction  {s:4s} n={f['cases']:3d}  teacher - student "
+                          f"log-prob per token: worked {f['mean_advantage_good']:+.3f}, failed "
+                          f"{f['mean_advantage_bad']:+.3f}; right sign {f['right_sign']:.1%}; "
+                          f"AUC {fmt(f['auc'])}", flush=True)
+                continue
             judge = local if mode.endswith("-local") else remote
             if mode.startswith("logprob"):
                 rows = await judge_logprob(judge, prompts, calibration, args.min_margin, cases)

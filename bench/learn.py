@@ -10,14 +10,24 @@ Per mode, one `rlproxy serve` subprocess trains on the task's traffic:
   session is one request with `X-Session-Id` and `X-Session-Done: 1`, so the turn closes and is
   scored at once; `--n` > 1 asks for a group of choices per request (GRPO: each choice's
   advantage is its reward minus the group's mean).
-- `prm`: no reward function; the server's local PRM judge (the base model itself, `--method rl`)
-  votes on each turn from its next state. Each session is the task request, then the user's
-  verdict ("Correct, thank you!" or "No, that is wrong. Try again.", from the same rule) sent as
-  a second request with `X-RL-Train: 0` (the verdict's own reply is not trained) and
-  `X-Session-Done: 1`. The judge scores only the choice the conversation continued from, so this
-  mode always uses n = 1. `--serve-arg=--judge-url=...` points it at a stronger judge.
-Both run with `--no-at-least-one` (a session's only turn would otherwise be released with +1
-whatever its answer).
+- `prm`: no reward function anywhere in the server; the server's local PRM judge (the base
+  model itself, `--method rl`, log-prob verdicts: the default) reads each turn's next state.
+  Each session is the task request, then a simulated user's reply sent as a second request
+  with `X-RL-Train: 0` (the reply's own turn is not trained) and `X-Session-Done: 1`. The user
+  answers in natural language, drawn at random from 40 phrasings per polarity
+  (bench/data/user_replies.json; none appears in the judge's few-shot examples): a positive
+  one when the rule below calls the reply correct, else a negative one. The judge scores only
+  the choice the conversation continued from, so this mode always uses n = 1.
+  `--serve-arg=--judge-url=...` points it at a stronger judge.
+- `prm-votes`: the same with the older judge: one sampled 32-token `\boxed{}` vote of
+  prm_prompts/judge.txt per turn (`--prm-verdict votes`), the judge before log-prob verdicts.
+- `opd`: the same traffic, on-policy distillation (`--method opd`): the local base model writes
+  a hint from the next state (one 48-token answer) and scores the turn's tokens under the
+  hinted prompt as the teacher.
+All run with `--no-at-least-one` (a session's only turn would otherwise be released with +1
+whatever its answer). The held-out evaluation is always the verifier below, outside the loop.
+`--mode` takes one mode, `both` (reward, then prm) or a comma list; `--side-by-side` runs the
+modes at once (each server gets about one of the two cores) instead of one after the other.
 
 `--concurrency` sessions run at once (sampled at temperature 1); a new one starts only while
 fewer than `--max-backlog` turns wait to be scored or trained (/healthz), so every step trains
@@ -65,12 +75,15 @@ from learn_report import plot, point_line, summary_lines
 from rlproxy.records import read_jsonl
 
 Z95 = 1.959964  # two-sided 95% normal quantile
-VERDICT = {True: "Correct, thank you!", False: "No, that is wrong. Try again."}
+USER_REPLIES = json.loads((Path(__file__).with_name("data") / "user_replies.json").read_text())
 SCORING = {  # each mode's scoring flags; --serve-arg comes after them, so it can override
     "reward": ["--no-judge", "--reward-function", "learn_task:reward_fn"],
+    "prm": ["--judge", "--method", "rl", "--prm-verdict", "logprob"],
     # One short vote per turn: the local judge decodes one vote at a time on its own thread,
     # and 3 votes of 256 tokens would take longer per turn than a training step of 8.
-    "prm": ["--judge", "--method", "rl", "--prm-m", "1", "--prm-max-tokens", "32"],
+    "prm-votes": ["--judge", "--method", "rl", "--prm-verdict", "votes", "--prm-m", "1",
+                  "--prm-max-tokens", "32"],
+    "opd": ["--method", "opd", "--prm-m", "1", "--prm-max-tokens", "48"],
 }
 
 
@@ -215,7 +228,9 @@ class Traffic:
                                temperature=1.0)
         c = out["choices"][0]
         text = c["message"]["content"] or ""
-        verdict = VERDICT[task.correct(text, c["finish_reason"], a, b)]
+        pool = USER_REPLIES["positive" if task.correct(text, c["finish_reason"], a, b)
+                            else "negative"]
+        verdict = random.Random(f"{sid}").choice(pool)
         self.server.chat(messages + [{"role": "assistant", "content": text},
                                      {"role": "user", "content": verdict}],
                          # X-Turn-Type: main, or a 1-token request is taken for a probe
@@ -369,8 +384,10 @@ def run_mode(mode: str, root: Path, held: list, train: list, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("reward", "prm", "both"), default="reward",
-                        help="score with a reward function, the PRM judge, or run both")
+    parser.add_argument("--mode", default="reward",
+                        help="reward | prm | prm-votes | opd | both (reward,prm) | a comma list")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="run the modes at once rather than one after the other")
     parser.add_argument("--minutes", type=float, default=20.0,
                         help="training budget per mode, evaluations excluded")
     parser.add_argument("--lr", type=float, default=2e-5, help="the server's --learning-rate")
@@ -406,6 +423,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/learn.json"))
     parser.add_argument("--plot", type=Path, help="PNG path (default: --out with .png)")
     args = parser.parse_args()
+    modes = ["reward", "prm"] if args.mode == "both" else args.mode.split(",")
+    if any(m not in SCORING for m in modes):
+        parser.error(f"--mode: each of {modes} must be one of {', '.join(SCORING)} (or both)")
     if args.held_out < 2 or args.eval_samples < 1:
         parser.error("the intervals need --held-out of at least 2 and --eval-samples of at least 1")
     if args.concurrency is None:
@@ -418,8 +438,13 @@ def main() -> None:
     shutil.copy(Path(__file__).with_name("learn_task.py"), root / "learn_task.py")
     runs = {}
     try:
-        for mode in (("reward", "prm") if args.mode == "both" else (args.mode,)):
-            runs[mode] = run_mode(mode, root, held, train, args)
+        if args.side_by_side:
+            with ThreadPoolExecutor(len(modes)) as pool:
+                done = pool.map(lambda m: run_mode(m, root, held, train, args), modes)
+                runs = dict(zip(modes, done))
+        else:
+            for mode in modes:
+                runs[mode] = run_mode(mode, root, held, train, args)
     finally:
         if not args.keep_data:
             shutil.rmtree(root, ignore_errors=True)

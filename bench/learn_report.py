@@ -47,6 +47,16 @@ def summary_lines(result: dict) -> list[str]:
             f"{st.get('median_without_rests', float('nan')):.2f} s), max "
             f"{st.get('max', float('nan')):.2f} s; server peak RSS {run['peak_rss_mb']:.0f} MB",
         ]
+    base = result["runs"].get("reward")
+    for mode, run in result["runs"].items():
+        if base is None or mode == "reward":
+            continue
+        for kind in ("greedy", "sampled"):
+            gain = run["curve"][-1][kind]["reward"] - run["curve"][0][kind]["reward"]
+            ref = base["curve"][-1][kind]["reward"] - base["curve"][0][kind]["reward"]
+            share = f"{gain / ref:.0%} of" if ref > 0 else "(reward mode gained nothing)"
+            lines.append(f"[{mode}] {kind} gain {gain:+.2f}: {share} the reward mode's "
+                         f"{ref:+.2f}")
     return lines
 
 
@@ -58,7 +68,7 @@ def plot(result: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     colours = {"greedy": "tab:blue", "sampled": "tab:orange"}
-    styles = {"reward": "-", "prm": "--"}
+    styles = {"reward": "-", "prm": "--", "prm-votes": ":", "opd": "-."}
     for ax, x_key, x_label in ((axes[0], "step", "optimizer steps"),
                                (axes[1], "train_s", "training minutes (evaluations excluded)")):
         for mode, run in result["runs"].items():

@@ -180,28 +180,21 @@ PRM_PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prm_prompts"
 class ScoringSettings(Section):
     method: Literal["rl", "opd", "combine"] = Field(
         "rl", description="rl: judge (PRM) reward; opd: hint + teacher log-probs; combine: both")
-    judge: bool = Field(
-        True, description="judge votes score turns (off: rewards come only from feedback and "
-        "reward functions)")
-    prm_verdict: Literal["logprob", "votes"] = Field(
-        "logprob", description="logprob: one forward pass of prm_prompts/verdict.txt, the "
-        "reward is the calibrated expected score from the two label words' probabilities; "
-        "votes: --prm-m sampled answers of judge.txt, majority")
-    prm_min_margin: float = Field(
-        0.2, ge=0, le=1, description="a log-prob verdict whose margin |P(good) - P(bad)| is "
-        "below this is undecided: recorded, not trained, never lifted by at-least-one")
+    judge: bool = Field(True, description="the judge's verdicts score turns (off: rewards come "
+        "only from feedback and reward functions)")
+    prm_verdict: Literal["logprob", "votes"] = Field("logprob", description="logprob: the "
+        "calibrated log-probs of verdict.txt's two labels (one forward pass); votes: --prm-m "
+        "sampled answers of judge.txt, majority")
+    prm_min_margin: float = Field(0.1, ge=0, le=1, description="a log-prob verdict whose "
+        "margin (twice P(worked)'s distance from 1/2) is below this is undecided: not trained")
     prm_m: int = Field(3, ge=1, description="judge votes (and hint answers) per turn")
     prm_temperature: float = Field(0.6, ge=0, le=2, description="judge sampling temperature")
     prm_max_tokens: int = Field(256, ge=8, description="judge answer length cap")
-    prm_max_context_chars: int = Field(
-        4000, ge=200, description="the user request shown to the judge is trimmed to this many "
-        "characters")
-    prm_prompts: Path = Field(
-        PRM_PROMPTS_DIR, description="folder with judge.txt, hint.txt, verdict.txt and verdict.json "
-        "(default: the "
-        "repo's prm_prompts/)")
-    w_opd: float = Field(
-        1.0, description="weight of teacher_lp - behaviour_lp in the advantage")
+    prm_max_context_chars: int = Field(4000, ge=200, description="the user request shown to "
+        "the judge is trimmed to this many characters")
+    prm_prompts: Path = Field(PRM_PROMPTS_DIR, description="folder with judge.txt, hint.txt, "
+        "verdict.txt and verdict.json (default: the repo's prm_prompts/)")
+    w_opd: float = Field(1.0, description="weight of teacher_lp - behaviour_lp in the advantage")
     w_rl: float = Field(1.0, description="weight of the reward in the advantage")
     at_least_one: bool = Field(
         True, description="a closed session whose scored turns are all <= 0: its best turn "
@@ -216,8 +209,8 @@ class ScoringSettings(Section):
         None, description="OpenAI-compatible judge base URL, e.g. http://127.0.0.1:8001/v1, or "
         "'tinker' for the Tinker service's base model (default: the local base model; with "
         "--sampler tinker, 'tinker')")
-    judge_model: str = Field(
-        "default", description="model name sent to judge_url (and teacher_url)")
+    judge_model: str = Field("default", description="model name sent to judge_url (and "
+        "teacher_url); its calibration's key in verdict.json")
     judge_api_key: str | None = Field(
         None, description="API key sent to judge_url (default: none)")
     teacher_url: str | None = Field(
@@ -228,8 +221,7 @@ class ScoringSettings(Section):
         60.0, gt=0, description="per judge/teacher HTTP call, in seconds")
     judge_retries: int = Field(
         3, ge=0, description="retries with exponential backoff before the turn waits (outage)")
-    judge_concurrency: int = Field(
-        4, ge=1, description="judge/teacher calls in flight at once")
+    judge_concurrency: int = Field(4, ge=1, description="judge/teacher calls in flight at once")
     judge_yield_ms: float = Field(
         20.0, ge=0, description="local judge: pause per token while live requests decode")
     reward_timeout_s: float = Field(

@@ -126,17 +126,68 @@ def test_a_qlora_step_moves_the_served_logprobs_and_a_rollback_restores_them(tmp
     assert [x["step"] for x in steps] == [1, 2]
 
 
-def test_the_local_judge_votes_with_the_real_model(real, tmp_path):
-    """No judge URL: the judge is SmolLM2 itself (adapter off). Its votes are real text."""
-    settings = make_settings(tmp_path, model=NAME, prm_m=2, prm_max_tokens=16,
-                             at_least_one=False)
+CLEAR = [  # next states whose verdict is not in doubt (none is in the judge's examples)
+    ([{"role": "user", "content": "Thank you, that is exactly what I needed."}], 1),
+    ([{"role": "user", "content": "Perfect, it works now. Next, add logging."}], 1),
+    ([{"role": "tool", "name": "shell", "content": "===== 9 passed in 0.31s ====="}], 1),
+    ([{"role": "user", "content": "No, that is wrong. Do it again, properly this time."}], -1),
+    ([{"role": "tool", "name": "shell", "content": "bash: pytets: command not found"}], -1),
+    ([{"role": "tool", "name": "python", "content":
+       "Traceback (most recent call last):\n  File \"a.py\", line 2\nValueError: bad"}], -1),
+]
+
+
+def verdict_turn(next_state):
+    return {"messages": [{"role": "user", "content": "Run the tests and fix what fails."}],
+            "choices": [{"text": "Done: I ran them and fixed the import.", "tool_calls": []}],
+            "next_state": next_state}
+
+
+def test_logprob_verdicts_of_the_real_model_separate_clear_cases(real):
+    """The local judge's one forward pass (the few-shot head's KV reused) reads the same
+    label log-probs as a plain forward pass of the whole prompt, and they separate clear
+    next states: every worked one above every failed one, each on its side after the
+    calibration in prm_prompts/verdict.json."""
+    import asyncio
+
+    from rlproxy.scoring.judges import LocalJudge
+    from rlproxy.settings import PRM_PROMPTS_DIR
+
+    prompts = scoring.load_prompts(PRM_PROMPTS_DIR)
+    labels = prompts["verdict_json"]["labels"]
+    calibration = prompts["verdict_json"]["calibration"][NAME]
+    judge = LocalJudge(real.model, real.tokenizer, yield_ms=0)  # adapter at 0: the base
+    try:
+        texts = [scoring.fill_verdict_prompt(prompts["verdict_txt"], verdict_turn(ns), 4000)
+                 for ns, _ in CLEAR]
+        tops = [asyncio.run(judge.verdict(t, list(labels))) for t in texts]
+    finally:
+        judge.close()
+    for text, top in zip(texts, tops):
+        logits = real.model(mx.array(real.tokenizer.encode(text))[None])[0, -1]
+        lp = logits - mx.logsumexp(logits)
+        for spelling, value in top.items():
+            token = real.tokenizer.encode(spelling, add_special_tokens=False)[0]
+            assert value == pytest.approx(lp[token].item(), abs=2e-3), spelling
+    verdicts = [scoring.read_verdict(top, labels, calibration, 0.0) for top in tops]
+    good = [v["p_good"] for v, (_, y) in zip(verdicts, CLEAR) if y == 1]
+    bad = [v["p_good"] for v, (_, y) in zip(verdicts, CLEAR) if y == -1]
+    assert min(good) > max(bad), (good, bad)
+    assert all((v["reward"] > 0) == (y == 1) for v, (_, y) in zip(verdicts, CLEAR)), verdicts
+
+
+def test_the_local_judge_scores_turns_with_the_real_model(real, tmp_path):
+    """No judge URL: the judge is SmolLM2 itself (adapter off), log-prob verdicts through the
+    whole path: a user's thanks and a user's correction, each recorded with its figures."""
+    settings = make_settings(tmp_path, model=NAME, at_least_one=False)
     with ServerThread(settings, real) as s:
-        run_session(s, "judged", ["Thanks, that is right!"])
-        wait_scored(s, 2, timeout=120)
-    (score,) = [x for x in lines(tmp_path, "score") if x["index"] == 0]
-    assert len(score["votes"]) == 2 and all(v["error"] is None for v in score["votes"])
-    assert all(v["text"].strip() for v in score["votes"])  # the model wrote something
-    assert score["judge_reward"] in (-1, 0, 1)
+        run_session(s, "good", ["Thank you, that is exactly what I needed."])
+        run_session(s, "bad", ["No, that is wrong. Do it again, properly this time."])
+        health = wait_scored(s, 4, timeout=120)
+    scores = {x["session_id"]: x for x in lines(tmp_path, "score") if x["index"] == 0}
+    assert scores["good"]["judge_reward"] > 0 > scores["bad"]["judge_reward"]
+    assert all(x["votes"] == [] and x["verdict"]["decided"] for x in scores.values())
+    assert health["verdict"] == "logprob" and health["judge"]["good"] == 1
 
 
 def test_the_opd_teacher_scores_exact_logprobs_on_the_real_model(real, tmp_path):

@@ -66,6 +66,32 @@ def test_at_least_one():
     assert scoring.at_least_one({}) is None
 
 
+def test_the_verdict_prompt_of_an_agent_length_turn_stays_small():
+    """A Hermes-sized turn (a long system prompt, 20 tool schemas' worth of text, a long request,
+    a tool call, and a next state of two long tool results and a user reply) fills the verdict
+    prompt with a bounded tail: what the judge prefills per turn does not grow with the turn."""
+    from rlproxy.settings import PRM_PROMPTS_DIR
+
+    template = scoring.load_prompts(PRM_PROMPTS_DIR)["verdict_txt"]
+    turn = {"messages": [{"role": "system", "content": "You are an agent. " * 2000},
+                         {"role": "user", "content": "Refactor the billing module. " * 1500}],
+            "choices": [{"text": "", "tool_calls": [{"function": {
+                "name": "terminal", "arguments": '{"command": "pytest -x tests/"}'}}]}],
+            "next_state": [
+                {"role": "tool", "name": "terminal",
+                 "content": "collected 900 items\n" + ". " * 20000
+                 + "\nFAILED tests/test_billing.py::test_refund - KeyError: 'amount'"},
+                {"role": "tool", "name": "read_file", "content": "x = 1\n" * 5000},
+                {"role": "user", "content": "It still fails, look at the refund path."}]}
+    prompt = scoring.fill_verdict_prompt(template, turn, 4000)
+    head, tail = scoring.split_head(prompt)
+    assert head == template[:template.rindex("Next: {next_state}")]  # the examples, constant
+    assert len(tail) < scoring.VERDICT_STATE_CHARS + 80
+    assert tail.startswith("Next: (tool's result) collected 900 items")
+    assert "KeyError: 'amount' (tool's result) x = 1" in tail  # each message's end is kept
+    assert tail.endswith("(user's reply) It still fails, look at the refund path.\nResult:")
+
+
 # ---- a scripted judge on a real port ----
 
 
@@ -242,7 +268,8 @@ def test_at_least_one_lifts_the_best_turn_of_a_negative_session(tiny, tmp_path, 
     releases = {(r["session_id"], r["index"]): r for r in lines(tmp_path, "release")}
     # turn 1's votes were all 0 ("unclear"): undecided, so never lifted; the best decided
     # turn, the latest among equals, is
-    assert releases[("neg", 2)]["reward"] == 1.0 and releases[("neg", 2)]["reason"] == "at_least_one"
+    lifted = releases[("neg", 2)]
+    assert lifted["reward"] == 1.0 and lifted["reason"] == "at_least_one"
     assert releases[("neg", 0)]["reward"] == -1 and releases[("neg", 1)]["reward"] is None
     assert releases[("pos", 0)]["reward"] == 1 and releases[("pos", 1)]["reward"] == -1
     assert not any(r["reason"] == "at_least_one" for k, r in releases.items() if k[0] == "pos")

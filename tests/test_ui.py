@@ -112,7 +112,8 @@ def test_the_dashboard_and_the_actions_need_the_key(keyed):
     cookie = signed.cookies.get("rlproxy_api_key")
     assert cookie == KEY and "httponly" in signed.headers["Set-Cookie"].lower()
     assert browser.get(url + "/ui").status_code == 200
-    assert browser.get(url + "/ui/api/overview").json()["trainer"] == {"enabled": False}
+    assert browser.get(url + "/ui/api/overview").json()["trainer"] == {
+        "enabled": False, "state": "off", "waiting": None}
     assert browser.get(url + "/v1/models").status_code == 401  # the cookie is for /ui only
     # the cookie alone does not make an action: a form on another port of this host sends it
     for headers in ({}, {"Origin": "http://127.0.0.1:1"}, {"Sec-Fetch-Site": "same-site"}):
@@ -374,6 +375,17 @@ def test_the_dashboard_in_a_real_browser(trained, tmp_path):
             page.wait_for_selector("#chart-reward")
             assert page.locator("#chart-reward circle.pt").count() == len(steps)
             assert page.locator("#counters .counter").count() >= 10
+            # no eval gate here: the held-out chart says so instead of drawing bare axes
+            held_out = page.locator("#chart-heldout")
+            assert held_out.inner_text().startswith("no evaluations yet: --eval-every N")
+            assert page.locator("svg#chart-heldout").count() == 0
+            assert "off: rewards come from reward functions" in page.locator("#judge").inner_text()
+            # every released turn trained: the trainer waits for turns, and the header says so
+            page.wait_for_selector("#trainer-waiting")
+            assert page.locator("#trainer-waiting").inner_text() == (
+                "waiting for turns: 0 of 2 released turns for the next step")
+            header = page.locator("#status").inner_text()
+            assert "trainer waiting for turns" in header and "training" not in header
             page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
 
             page.goto(url + "/ui#/session/demo-00000")
@@ -403,12 +415,20 @@ def test_status_shows_one_screen(trained, capsys):
 
     from rlproxy.ops.status import status_cmd
 
+    deadline = time.monotonic() + 60  # the last step's turns leave the books after its line
+    while requests.get(trained.url + "/healthz").json()["trainer"]["untrained"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     assert status_cmd(argparse.Namespace(url=trained.url, api_key=None)) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert len(lines) <= 24
     assert "model rlproxy-embedded-tiny" in lines[0] and "adapter v" in lines[0]
-    assert any(ln.startswith("trainer   running; step") for ln in lines)
+    i = lines.index("trainer   waiting for turns: 0 of 2 released turns for the next step")
+    assert lines[i + 1].startswith("          step ")
+    assert "judge     off (rewards come from reward functions and feedback)" in lines
+    assert ("held-out  off: --eval-every N with --eval-prompts FILE and --eval-reward-functions "
+            "module:fn") in lines
     assert any(ln.startswith("cache     hit rate") for ln in lines)
     assert any(ln.startswith("last ") and "reward" in ln for ln in lines)
 

@@ -1,5 +1,10 @@
 """`rlproxy status`: one screen of plain text about a running server, from /healthz and the
-dashboard's /ui/api/overview. Uses only the standard library, so it works from any shell."""
+dashboard's /ui/api/overview. Uses only the standard library, so it works from any shell.
+
+Also owns the words for "is it learning?" that the dashboard shows too (ui/views.py sends them):
+the trainer's state and why it waits (`trainer_state`), the judge's health (`judge_lines`) and
+the held-out reward of the eval gate (`held_out_line`), each a pure function of the dicts the
+server answers."""
 
 from __future__ import annotations
 
@@ -31,6 +36,71 @@ def num(x, digits: int = 3) -> str:
     return str(x) if isinstance(x, int) else f"{x:.{digits}f}"
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def share(x: float | None) -> str:
+    return "" if x is None else f" ({x:.0%})"
+
+
+def trainer_state(t: dict, scoring: dict) -> tuple[str, str | None]:
+    """(the trainer's state: off, paused, error, stopped, waiting for turns or training; the
+    sentence that says what it waits for, or None). T: /healthz's "trainer" (ops/health.py adds
+    `untrained` and `batch_size`), SCORING: its "scoring". Training means a batch is there: the
+    released turns not trained yet (those of a step under way included) fill one."""
+    if not t.get("enabled"):
+        return "off", None
+    if t.get("paused"):
+        return "paused", None
+    if t.get("error"):
+        return "error", None
+    if not t["alive"]:
+        return "stopped", None
+    if t["untrained"] >= t["batch_size"]:
+        return "training", None
+    why = (f"waiting for turns: {t['untrained']} of {t['batch_size']} released turns for the "
+           "next step")
+    if scoring["pending"]:
+        why += (f"; scoring is the bottleneck: {plural(scoring['pending'], 'turn')} not "
+                "scored yet")
+    return "waiting for turns", why
+
+
+def judge_lines(s: dict) -> list[str]:
+    """The judge's health from /healthz's "scoring": its verdicts, what at-least-one lifted, and
+    how often it agrees with the people who gave feedback."""
+    j = s["judge"]
+    if s["verdict"] is None:
+        return ["judge     off (rewards come from reward functions and feedback)"]
+    both = j["feedback_agree"] + j["feedback_disagree"]
+    agrees = f"; agrees with feedback {j['feedback_agree']} of {both}" if both else ""
+    return [f"judge     {s['verdict']}: {j['good']} worked / {j['bad']} failed / "
+            f"{j['undecided']} undecided{share(j['undecided_share'])}, {j['skipped']} skipped",
+            f"          at-least-one lifted {j['lifted']} of {j['released']} released"
+            f"{share(j['lifted_share'])}{agrees}"]
+
+
+HELD_OUT_OFF = ("held-out  off: --eval-every N with --eval-prompts FILE and "
+                "--eval-reward-functions module:fn")
+
+
+def held_out_line(evals: list[dict], eval_every: int | None) -> str:
+    """The eval gate's reward on its probes (the overview's `evals`), last and first, or what
+    turns the gate on. EVAL_EVERY: the trainer's --eval-every (None or 0: off)."""
+    if not evals:
+        return (f"held-out  no evaluations yet (the eval gate runs every "
+                f"{plural(eval_every, 'step')})" if eval_every else HELD_OUT_OFF)
+    refused = sum(1 for e in evals if not e["passed"])
+    count = plural(len(evals), "eval") + (f", {refused} refused" if refused else "")
+    rewarded = [e for e in evals if e["reward"] is not None]
+    if not rewarded:
+        return f"held-out  no reward measured ({count})"  # no function answered, or failed
+    first, last = rewarded[0], rewarded[-1]
+    return (f"held-out  reward {last['reward']:+.2f} at step {last['step']} (first eval "
+            f"{first['reward']:+.2f} at step {first['step']}; {count})")
+
+
 def render(health: dict, overview: dict | None) -> str:
     t, s = health["trainer"], health["scoring"]
     cache = health["prefix_cache"]
@@ -51,15 +121,20 @@ def render(health: dict, overview: dict | None) -> str:
     lines.append(f"sessions  {health['sessions_open']} open")
     lines.append(f"scoring   {s['method']}: {s['scored']} scored, {s['released']} released, "
                  f"{s['pending']} pending, {s['waiting']} waiting out a judge outage")
-    if not t.get("enabled"):
+    lines += judge_lines(s)
+    state, waiting = trainer_state(t, s)
+    if state == "off":
         lines.append("trainer   off (--no-train)")
     else:
-        state = ("error: " + t["error"] if t.get("error") else "stopped" if not t["alive"]
-                 else "paused" if overview and overview["trainer"].get("paused") else "running")
-        lines.append(f"trainer   {state}; step {t['step']}, {t['turns_trained']} turns trained, "
-                     f"{t['queued']} queued, {t['skipped']} skipped, {t['quarantined']} "
-                     "quarantined")
+        figures = (f"step {t['step']}, {t['turns_trained']} turns trained, {t['untrained']} to "
+                   f"train, {t['skipped']} skipped, {t['quarantined']} quarantined")
+        if waiting:
+            lines += [f"trainer   {waiting}", f"          {figures}"]
+        else:
+            lines.append(f"trainer   {'error: ' + t['error'] if t.get('error') else state}; "
+                         f"{figures}")
     if overview is not None:
+        lines.append(held_out_line(overview["evals"], overview["trainer"].get("eval_every")))
         today = overview["today"]
         lines.append(f"today     {today.get('turns', 0)} turns in {today.get('sessions', 0)} "
                      f"sessions, {today.get('completion_tokens', 0)} tokens generated, "

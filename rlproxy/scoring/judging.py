@@ -1,12 +1,22 @@
-"""Scoring math and prompts: judge prompts from a turn, vote parsing, majority, hints, rewards,
-per-token advantages, the at-least-one rule. Pure functions only: no I/O, no models, no asyncio
-(the Scorer in scoring/scorer.py runs them against judge backends and writes the records).
+"""Scoring math and prompts: judge prompts from a turn, log-prob verdicts and their
+calibration, vote parsing, majority, hints, rewards, per-token advantages, the at-least-one
+rule. Pure functions only: no I/O but reading the prompts, no models, no asyncio (the Scorer in
+scoring/scorer.py runs them against judge backends and writes the records).
 
 Reward of a turn (documented in the README):
-  judge reward r_j = majority of valid votes (tie or no valid vote -> 0); turns without a next
-  state are not judged. Explicit feedback r_e (POST /v1/feedback) and reward functions r_f
-  (first non-None) combine with it: "override" takes the first present of r_e, r_f, r_j;
-  "add" sums those present and clips to [-1, 1].
+  judge reward r_j, by --prm-verdict:
+    logprob (default)  z = log p(label "worked") - log p(label "failed") at the label position
+                       of prm_prompts/verdict.txt (one forward pass); P = sigmoid(scale * z +
+                       bias) (the calibration in verdict.json for the judge model; none: 1, 0);
+                       r_j = 2P - 1, the expected score with worked = +1 and failed = -1.
+                       Undecided (no r_j) when neither label is among the log-probs read or the
+                       margin |2P - 1| < --prm-min-margin.
+    votes              the majority of valid votes; undecided (no r_j) on a tie, no valid vote
+                       or a majority of 0.
+  Turns without a next state are not judged. Explicit feedback r_e (POST /v1/feedback) and
+  reward functions r_f (first non-None) combine with it: "override" takes the first present of
+  r_e, r_f, r_j (and does not ask the judge when r_e or r_f is present); "add" sums those
+  present and clips to [-1, 1].
 Per-token advantage (combine): A_t = w_opd * (teacher_lp_t - behaviour_lp_t) + w_rl * a, where
 the OPD term is exactly 0 for a turn without teacher log-probs and the RL term 0 without reward.
 a = r for a lone choice (the trainer may then subtract its running mean), and for a request with
@@ -138,14 +148,17 @@ VERDICT_STATE_CHARS = 700  # the next state shown to the verdict prompt: small j
 
 
 def render_next_state_inline(messages: list[dict], limit: int) -> str:
-    """The next state as the verdict prompt shows it: one line per message, its role said
-    plainly ("the user's reply", "the tool's result"), whitespace folded, start and end kept."""
+    """The next state as the verdict prompt shows it: its messages on one line, each headed by
+    its role said plainly ("(user's reply)", "(tool's result)"), whitespace folded, each
+    trimmed to an equal share of LIMIT keeping its start and end (a test run's or a
+    traceback's verdict is often its last line)."""
+    share = max(80, limit // max(1, len(messages)))
     parts = []
     for m in messages:
         role = "tool's result" if m["role"] == "tool" else f"{m['role']}'s reply"
         text = " ".join(str(m.get("content") or "(empty)").split())
-        parts.append(f"({role}) {text}")
-    return trim_middle(" ".join(parts), limit)
+        parts.append(f"({role}) {trim_middle(text, share)}")
+    return " ".join(parts)
 
 
 def fill_verdict_prompt(template: str, turn: dict, limit: int,

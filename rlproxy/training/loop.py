@@ -181,6 +181,9 @@ class Trainer(Control, RemoteSync):
         return {"enabled": True, "backend": "tinker" if self.remote else "local",
                 "alive": self.alive, "error": self.error,
                 "queued": self.inbox.qsize(), "step": self.step, **asdict(self.stats),
+                # released and not trained yet (the inbox and the batch being gathered), against
+                # what a step needs: "3 of 8 released turns for the next step"
+                "untrained": len(self.queued), "batch_size": self.t.batch_size,
                 "quarantined": len(self.journal.quarantined),
                 "failed_steps": self.journal.failed_steps, "paused": self.paused,
                 **self.learner.health()}

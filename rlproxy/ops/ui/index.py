@@ -3,9 +3,10 @@
 Each `refresh()` reads only the bytes appended to conversations.jsonl, prm_scores.jsonl and
 training.jsonl since the last call (complete lines only: a line still being written is read
 next time), and keeps small per-turn entries: where its line is, its session, times and token
-counts, its score and release, the step that trained it. A session page then reads just its
-turns' lines by offset, so the dashboard stays fast with 100k turns on disk. Knows nothing of
-HTTP; records.py owns the files' format, paths.py their names.
+counts, its score and release, the step that trained it; and the step lines and the eval
+gate's verdicts (`eval_entry`) for the charts. A session page then reads just its turns' lines
+by offset, so the dashboard stays fast with 100k turns on disk. Knows nothing of HTTP;
+records.py owns the files' format, paths.py their names.
 """
 
 from __future__ import annotations
@@ -47,6 +48,18 @@ def day(t: float) -> str:
     return time.strftime("%Y-%m-%d", time.localtime(t))
 
 
+def eval_entry(r: dict) -> dict:
+    """An `eval` line (training/gate.py) as the held-out chart needs it: the candidate's probe
+    reward and the served adapter's (None when not measured: no reward function, or the
+    evaluation failed), its KLs and the verdict."""
+    cand, served = r.get("candidate") or {}, r.get("served") or {}
+    return {"step": r.get("step"), "time": r.get("time"), "passed": r.get("passed"),
+            "candidate_version": r.get("candidate_version"),
+            "served_version": r.get("served_version"), "reward": cand.get("reward"),
+            "served_reward": served.get("reward"), "kl_served": cand.get("kl_served"),
+            "kl_base": cand.get("kl_base"), "refused": r.get("refused")}
+
+
 class RecordIndex:
     """Thread-safe: `refresh` and the readers take one lock (the server calls them from a
     worker thread, so a long first scan never blocks the event loop)."""
@@ -66,6 +79,7 @@ class RecordIndex:
         self.feedback: dict[str, dict] = {}
         self.steps: list[dict] = []  # compact step lines, in order
         self.events: list[dict] = []  # rollbacks, pauses
+        self.evals: list[dict] = []  # the eval gate's verdicts, compact, in order
         self.trained: dict[str, tuple[int, float | None]] = {}  # uid -> (step, time)
         self.skipped: dict[str, str] = {}
         self.by_day: dict[str, Counter] = defaultdict(Counter)
@@ -162,6 +176,8 @@ class RecordIndex:
                 self.by_day[day(at)]["steps"] += 1
         elif kind == "skipped":
             self.skipped[r.get("uid")] = r.get("reason")
+        elif kind == "eval":
+            self.evals.append(eval_entry(r))
         elif kind in ("rollback", "pause", "resume"):
             self.events.append(r)
 

@@ -25,7 +25,8 @@ from rlproxy import paths
 from rlproxy.api.edge import json_response  # a helper, not a component
 from rlproxy.appkeys import ENGINE, LIVE, MODEL, RECORD_INDEX, SCORER, SESSIONS, SETTINGS, \
     TRAINER
-from rlproxy.ops import metrics
+from rlproxy.ops import metrics, status
+from rlproxy.ops.health import trainer_health
 from rlproxy.ops.ui.index import RecordIndex
 from rlproxy.protocol import APIError
 
@@ -134,28 +135,35 @@ async def overview(request: web.Request) -> web.Response:
     engine, scorer = app[ENGINE], app[SCORER]
     with index.lock:
         steps, events = list(index.steps[-5000:]), list(index.events[-200:])
+        evals = list(index.evals[-2000:])
     cache = engine.prefix_cache.health() if engine.prefix_cache is not None else None
     return json_response({
         "model": app[MODEL].model_id, "adapter_version": int(engine.adapter_version),
         "engine": engine.health(),
         "sessions_open": app[SESSIONS].health()["open"],
-        "scoring": scorer.health(),
+        "scoring": scorer.health(),  # with the judge's figures: "verdict", "judge"
         "trainer": trainer_state(app),
         "prefix_cache": None if cache is None else {
             k: cache[k] for k in ("lookups", "hits", "misses", "disk_bytes", "memory_bytes")},
-        "today": index.today(), "steps": steps, "events": events, "live": list(app[LIVE]),
+        "today": index.today(), "steps": steps, "events": events, "evals": evals,
+        "live": list(app[LIVE]),
     })
 
 
 def trainer_state(app: web.Application) -> dict:
-    """/healthz's "trainer" without the journal's figures, in the pages' order."""
+    """/healthz's "trainer" without the journal's figures, in the pages' order, with its state
+    in words (status.py's, so the dashboard and `rlproxy status` say the same) and the eval
+    gate's period."""
     trainer = app.get(TRAINER)
     if trainer is None:
-        return {"enabled": False}
-    t = trainer.health()
+        return {"enabled": False, "state": "off", "waiting": None}
+    t = trainer_health(app)
+    state, waiting = status.trainer_state(t, app[SCORER].health())
     remote = {k: t[k] for k in ("url", "run", "remote_step", "sync_error") if k in t}
-    return {"enabled": True, "alive": t["alive"], "error": t["error"], "paused": t["paused"],
-            "step": t["step"], "queued": t["queued"], "backend": t["backend"], **remote,
+    return {"enabled": True, "state": state, "waiting": waiting, "alive": t["alive"],
+            "error": t["error"], "paused": t["paused"], "step": t["step"],
+            "queued": t["queued"], "untrained": t["untrained"], "batch_size": t["batch_size"],
+            "eval_every": app[SETTINGS].trainer.eval_every, "backend": t["backend"], **remote,
             **dataclasses.asdict(trainer.stats)}
 
 

@@ -43,10 +43,15 @@ const when = (t) => t ? new Date(t * 1000).toLocaleString() : "–";
 // ---- charts: SVG drawn here ----
 
 function lineChart(title, id, series, opts = {}) {
-  // opts.marks: [{x, label}] drawn as dashed red vertical lines (the eval gate's rollbacks)
+  // opts.marks: [{x, label}] drawn as dashed red vertical lines (the eval gate's rollbacks);
+  // opts.empty: what the card says when there is nothing to draw (no bare axes)
   const w = 440, h = 200, l = 48, r = 14, t = 22, b = 36;
   const all = series.flatMap(s => s.pts).filter(p => p[1] !== null && isFinite(p[1]));
   const marks = opts.marks || [];
+  if (!all.length && !marks.length) {
+    return el("div", {class: "card"}, el("h3", {}, title),
+              el("p", {class: "empty", id}, opts.empty || "no data yet"));
+  }
   const xs = all.map(p => p[0]).concat(marks.map(m => m.x));
   const box = svg("svg", {id, width: "100%", viewBox: `0 0 ${w} ${h}`});
   let x0 = Math.min(...xs), x1 = Math.max(...xs);
@@ -65,10 +70,13 @@ function lineChart(title, id, series, opts = {}) {
     label.textContent = fmt(y, 2);
     box.append(label);
   }
-  for (let i = 0; i <= 4; i++) {
-    const x = x0 + (x1 - x0) * i / 4;
+  const digits = opts.xdigits ?? 0;
+  // a whole-number axis (steps) ticks whole numbers: steps 1..2 get "1 2", not "1 1 2 2 2"
+  const ticks = new Set([0, 1, 2, 3, 4].map(i => x0 + (x1 - x0) * i / 4)
+    .map(x => digits ? x : Math.round(x)));
+  for (const x of ticks) {
     const tick = svg("text", {x: X(x), y: h - b + 14, "text-anchor": "middle"});
-    tick.textContent = fmt(x, opts.xdigits ?? 0);
+    tick.textContent = fmt(x, digits);
     box.append(tick);
   }
   const xl = svg("text", {x: (l + w - r) / 2, y: h - 4, "text-anchor": "middle"});
@@ -85,12 +93,14 @@ function lineChart(title, id, series, opts = {}) {
   let k = 0;
   for (const s of series) {
     const pts = s.pts.filter(p => p[1] !== null && isFinite(p[1]));
-    if (pts.length) {
+    if (pts.length && s.line !== false) {
       box.append(svg("polyline", {points: pts.map(p => `${X(p[0])},${Y(p[1])}`).join(" "),
                                   fill: "none", stroke: s.color, "stroke-width": 1.5}));
     }
     if (s.dots) for (const p of pts) {
-      box.append(svg("circle", {cx: X(p[0]), cy: Y(p[1]), r: 2.5, fill: s.color, class: "pt"}));
+      box.append(svg("circle", {cx: X(p[0]), cy: Y(p[1]), r: s.line === false ? 4 : 2.5,
+                                fill: s.line === false ? "none" : s.color, stroke: s.color,
+                                class: "pt"}));
     }
     const key = svg("text", {x: l + 150 * k++, y: 13, fill: s.color});
     key.textContent = s.name;
@@ -113,6 +123,41 @@ function counter(label, value) {
   return el("div", {class: "counter"}, el("b", {}, fmt(value, 2)), el("span", {}, label));
 }
 
+const percent = (x) => x === null || x === undefined ? "" : ` (${Math.round(100 * x)}%)`;
+
+// The judge's health (/healthz's scoring.judge): its verdicts as a bar, what at-least-one
+// lifted, and how often it agrees with the people who gave feedback.
+function judgePanel(sc) {
+  const j = sc.judge;
+  if (sc.verdict === null) {
+    return el("div", {class: "card", id: "judge"}, el("h3", {}, "Judge (PRM)"),
+      el("p", {}, "off: rewards come from reward functions and feedback"),
+      el("p", {}, `${j.released} turns released to training`));
+  }
+  const judged = j.good + j.bad + j.undecided;
+  const part = (n, cls) => el("span", {class: cls, style: `flex-grow:${n}`});
+  const both = j.feedback_agree + j.feedback_disagree;
+  return el("div", {class: "card", id: "judge"}, el("h3", {}, `Judge (PRM): ${sc.verdict}`),
+    judged ? el("div", {class: "bar"}, part(j.good, "good"), part(j.bad, "bad"),
+                part(j.undecided, "undecided")) : el("p", {class: "empty"}, "no verdicts yet"),
+    el("p", {class: "verdicts"}, `${j.good} worked / ${j.bad} failed / ${j.undecided} ` +
+       `undecided${percent(j.undecided_share)}, ${j.skipped} skipped (feedback or a reward ` +
+       "function decided)"),
+    el("p", {class: "lifted"}, `at-least-one lifted ${j.lifted} of ${j.released} released` +
+       percent(j.lifted_share)),
+    el("p", {class: "agreement"}, both ? `agrees with feedback ${j.feedback_agree} of ${both}`
+       : "no explicit feedback on a decided verdict yet"));
+}
+
+// What the held-out chart says when it has no reward to draw.
+function heldOutEmpty(evals, tr) {
+  if (evals.length) return `no reward measured in ${plural(evals.length, "evaluation")}`;
+  if (tr.eval_every) return `no evaluations yet (the eval gate runs every ` +
+    `${plural(tr.eval_every, "step")})`;
+  return "no evaluations yet: --eval-every N with --eval-prompts FILE and " +
+    "--eval-reward-functions module:fn turn the eval gate on";
+}
+
 // ---- pages ----
 
 async function overview() {
@@ -123,10 +168,11 @@ async function overview() {
     .map(e => ({x: e.step, label: e.gate ? `rollback: ${e.reason}` : "rollback (operator)"}));
   const live = d.live.map(p => Object.assign({}, p, {x: (p.t - Date.now() / 1000) / 60}));
   const tr = d.trainer, sc = d.scoring, today = d.today;
-  const state = !tr.enabled ? "off" : tr.paused ? "paused" : tr.error ? "error" : "training";
+  const evals = d.evals, refused = evals.filter(e => !e.passed);
   const where = tr.backend === "tinker" ? ` on ${tr.url} (run ${tr.run})` : "";
+  // the state in words is the server's (ops/status.py), the same as `rlproxy status` says
   document.getElementById("status").textContent =
-    `${d.model} · adapter v${d.adapter_version} · trainer ${state}${where}`;
+    `${d.model} · adapter v${d.adapter_version} · trainer ${tr.state}${where}`;
   return el("div", {},
     ...(tr.error ? [el("p", {class: "error"}, `trainer: ${tr.error}`)] : []),
     el("h2", {}, "Today"),
@@ -137,29 +183,41 @@ async function overview() {
       counter("optimizer steps", today.steps || 0), counter("sessions open", d.sessions_open),
       counter("turns scored", sc.scored), counter("released to training", sc.released),
       counter("waiting for a judge", sc.pending), counter("trainer step", tr.step ?? "off"),
-      counter("trainer queue", tr.queued ?? 0), counter("adapter version", d.adapter_version)),
+      counter("released, not trained yet", tr.untrained ?? 0),
+      counter("adapter version", d.adapter_version)),
     el("h2", {}, "Learning"),
+    tr.waiting ? el("p", {class: "note", id: "trainer-waiting"}, tr.waiting) : null,
     el("div", {class: "grid"},
       lineChart("Reward per optimizer step", "chart-reward", [
         {name: "reward (step mean)", color: "#1f77b4", pts: reward, dots: true},
         {name: "rolling mean (10)", color: "#ff7f0e", pts: rolling(reward, 10)}],
-        {xlabel: "step (dashed red: rollbacks)", ymin: -1, ymax: 1, marks: rollbacks}),
+        {xlabel: "step (dashed red: rollbacks)", ymin: -1, ymax: 1, marks: rollbacks,
+         empty: "no optimizer steps yet"}),
+      lineChart("Held-out reward (eval gate)", "chart-heldout", [
+        {name: "candidate", color: "#2ca02c", pts: evals.map(e => [e.step, e.reward]),
+         dots: true},
+        {name: "served", color: "#7f7f7f", pts: evals.map(e => [e.step, e.served_reward])},
+        ...(refused.length ? [{name: "refused", color: "#d62728", dots: true, line: false,
+                               pts: refused.map(e => [e.step, e.reward])}] : [])],
+        {xlabel: "step", ymin: -1, ymax: 1, empty: heldOutEmpty(evals, tr)}),
       lineChart("Loss and KL", "chart-loss", [
         {name: "loss", color: "#d62728", pts: steps.map(s => [s.step, s.loss])},
         {name: "KL", color: "#9467bd", pts: steps.map(s => [s.step, s.kl])}],
-        {xlabel: "step"})),
+        {xlabel: "step", empty: "no optimizer steps yet"}),
+      judgePanel(sc)),
     el("h2", {}, "Serving (last 30 minutes)"),
     el("div", {class: "grid"},
       lineChart("Time to first token (s)", "chart-ttft", [
         {name: "p50", color: "#2ca02c", pts: live.map(p => [p.x, p.ttft_p50])},
         {name: "p95", color: "#d62728", pts: live.map(p => [p.x, p.ttft_p95])}],
-        {xlabel: "minutes (0 = now)", ymin: 0, xdigits: 1}),
+        {xlabel: "minutes (0 = now)", ymin: 0, xdigits: 1, empty: "no requests timed yet"}),
       lineChart("Prefix cache hit rate", "chart-cache", [
         {name: "hits / lookups", color: "#17becf", pts: live.map(p => [p.x, p.cache_hit_rate])}],
-        {xlabel: "minutes (0 = now)", ymin: 0, ymax: 1, xdigits: 1}),
+        {xlabel: "minutes (0 = now)", ymin: 0, ymax: 1, xdigits: 1,
+         empty: "no prefix-cache lookups yet"}),
       lineChart("Tokens per second", "chart-tps", [
         {name: "generated", color: "#8c564b", pts: live.map(p => [p.x, p.tokens_per_s])}],
-        {xlabel: "minutes (0 = now)", ymin: 0, xdigits: 1})));
+        {xlabel: "minutes (0 = now)", ymin: 0, xdigits: 1, empty: "no samples yet"})));
 }
 
 function sessionTable(rows, open) {

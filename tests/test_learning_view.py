@@ -1,0 +1,257 @@
+""""Is it learning?" at a glance: the eval gate's held-out reward, the judge's health and why the
+trainer waits, in `rlproxy status` (ops/status.py) and on the dashboard (/ui/api/overview and the
+page in a real browser). Real servers on the tiny model: real turns, the real eval gate every
+step, a real local judge; `render` is also checked on the real answers with figures changed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import ServerThread, make_settings, read_records
+from demo_agent import run_sessions, wait_for_steps
+from rlproxy.demo import run as demo
+from rlproxy.ops.status import HELD_OUT_OFF, render, status_cmd
+from rlproxy.ops.ui.index import eval_entry
+from rlproxy.scoring.scorer import JudgeHealth
+
+CHROMIUM = "/usr/bin/chromium"
+SCORING_OPEN = threading.Event()  # cleared: the training reward holds scoring
+SCORING_OPEN.set()
+
+
+def training_reward(turn: dict, next_state) -> float:
+    """The scorer's reward: the demo's digit share, once SCORING_OPEN is set."""
+    SCORING_OPEN.wait(timeout=50)
+    return demo.digit_reward(turn, next_state)
+
+
+def held_out_reward(turn: dict, next_state) -> float:
+    """The eval gate's own reward (held back from training): 0.75 for an odd-length reply."""
+    return 0.75 if len(turn["choices"][0]["text"]) % 2 else 0.25
+
+
+def wait_until(what: str, check, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+    return value
+
+
+def healthz(url: str) -> dict:
+    return requests.get(url + "/healthz").json()
+
+
+def status_screen(url: str, capsys) -> list[str]:
+    assert status_cmd(argparse.Namespace(url=url, api_key=None)) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    """Trains a step per 4 turns, the eval gate measuring every candidate on 2 probes with its own
+    reward; after 2 evaluations one more session leaves 2 of 4 turns waiting."""
+    data = tmp_path_factory.mktemp("data")
+    probes = tmp_path_factory.mktemp("probes") / "probes.jsonl"
+    probes.write_text(json.dumps({"messages": [{"role": "user", "content": "2 + 2?"}]}) + "\n")
+    settings = make_settings(
+        data, train=True, judge=False, at_least_one=False, batch_size=4, baseline="none",
+        reward_functions=["test_learning_view:training_reward"], reward_timeout_s=60,
+        eval_every=1, eval_probes=2, eval_max_tokens=4, eval_prompts=str(probes),
+        eval_tolerance=2.0,  # rewards are in [-1, 1]: no refusal for the reward, no pause
+        eval_reward_functions=["test_learning_view:held_out_reward"], learning_rate=1e-3,
+        fsync=False, resume=False)
+    with ServerThread(settings) as s:
+        run_sessions(s.url, 0, 4)
+        wait_for_steps(s.url, 2)
+        wait_until("2 evals", lambda: len(eval_lines(data)) == 2)
+        run_sessions(s.url, 4, 1)
+        wait_until("2 turns waiting", lambda: healthz(s.url)["trainer"]["untrained"] == 2)
+        s.data_dir = data
+        yield s
+
+
+def eval_lines(data: Path) -> list[dict]:
+    return [ln for ln in read_records(data, "training.jsonl") if ln["kind"] == "eval"]
+
+
+def test_the_overview_carries_the_eval_series_and_the_judge_figures(gated):
+    overview = requests.get(gated.url + "/ui/api/overview").json()
+    lines = eval_lines(gated.data_dir)
+    assert [(e["step"], e["reward"], e["served_reward"], e["passed"], e["kl_base"])
+            for e in overview["evals"]] == [
+        (ln["step"], ln["candidate"]["reward"], ln["served"]["reward"], ln["passed"],
+         ln["candidate"]["kl_base"]) for ln in lines]
+    assert len(lines) == 2 and lines[0]["step"] < lines[1]["step"]
+    # the means of held_out_reward over 2 probes: the gate's own function, not the training one
+    assert all(e["reward"] in {0.25, 0.5, 0.75} for e in overview["evals"])
+    health = healthz(gated.url)
+    scoring = overview["scoring"]
+    assert scoring["verdict"] is None and scoring["judge"] == health["scoring"]["judge"]
+    assert scoring["judge"]["released"] == health["scoring"]["released"] == 10
+    t = overview["trainer"]
+    assert (t["untrained"], t["batch_size"], t["eval_every"]) == (2, 4, 1)
+    assert t["state"] == "waiting for turns"
+    assert t["waiting"] == "waiting for turns: 2 of 4 released turns for the next step"
+
+
+def test_status_says_held_out_judge_and_why_the_trainer_waits(gated, capsys):
+    lines = status_screen(gated.url, capsys)
+    first, last = eval_lines(gated.data_dir)
+    refused = sum(not ln["passed"] for ln in (first, last))
+    assert (f"held-out  reward {last['candidate']['reward']:+.2f} at step {last['step']} (first "
+            f"eval {first['candidate']['reward']:+.2f} at step {first['step']}; 2 evals"
+            f"{f', {refused} refused' if refused else ''})") in lines, lines
+    assert "judge     off (rewards come from reward functions and feedback)" in lines
+    i = lines.index("trainer   waiting for turns: 2 of 4 released turns for the next step")
+    t = healthz(gated.url)["trainer"]  # a gate's rollback is a step of its own
+    assert lines[i + 1] == (f"          step {t['step']}, 8 turns trained, 2 to train, 0 skipped, "
+                            "0 quarantined")
+
+
+def test_render_on_the_real_answers_with_other_figures(gated):
+    health = healthz(gated.url)
+    overview = requests.get(gated.url + "/ui/api/overview").json()
+
+    def screen(scoring=None, trainer=None, evals=None, eval_every=1) -> list[str]:
+        h = {**health, "scoring": {**health["scoring"], **(scoring or {})},
+             "trainer": {**health["trainer"], **(trainer or {})}}
+        o = {**overview, "trainer": {**overview["trainer"], "eval_every": eval_every},
+             "evals": overview["evals"] if evals is None else evals}
+        return render(h, o).splitlines()
+
+    judge = JudgeHealth(good=40, bad=22, undecided=5, skipped=3, lifted=2, released=60,
+                        feedback_agree=9, feedback_disagree=1)
+    lines = screen({"verdict": "logprob", "judge": judge.summary()})
+    i = lines.index("judge     logprob: 40 worked / 22 failed / 5 undecided (7%), 3 skipped")
+    assert lines[i + 1] == ("          at-least-one lifted 2 of 60 released (3%); agrees with "
+                            "feedback 9 of 10")
+    lines = screen({"verdict": "votes", "judge": JudgeHealth().summary()})
+    i = lines.index("judge     votes: 0 worked / 0 failed / 0 undecided, 0 skipped")
+    assert lines[i + 1] == "          at-least-one lifted 0 of 0 released"
+
+    assert HELD_OUT_OFF in screen(evals=[], eval_every=0)
+    assert HELD_OUT_OFF == ("held-out  off: --eval-every N with --eval-prompts FILE and "
+                            "--eval-reward-functions module:fn")
+    assert "held-out  no evaluations yet (the eval gate runs every 5 steps)" in screen(
+        evals=[], eval_every=5)
+    gate_lines = [  # as training/gate.py writes them (a failed evaluation has no figures)
+        {"kind": "eval", "step": 10, "passed": True, "candidate": {"reward": 0.05},
+         "served": {"reward": 0.0}, "refused": None, "time": 1.0},
+        {"kind": "eval", "step": 20, "passed": False, "error": "RuntimeError: x",
+         "refused": "the evaluation failed: RuntimeError: x", "time": 2.0},
+        {"kind": "eval", "step": 30, "passed": True, "candidate": {"reward": 0.12},
+         "served": {"reward": 0.05}, "refused": None, "time": 3.0}]
+    assert ("held-out  reward +0.12 at step 30 (first eval +0.05 at step 10; 3 evals, "
+            "1 refused)") in screen(evals=[eval_entry(ln) for ln in gate_lines])
+    assert "held-out  no reward measured (1 eval, 1 refused)" in screen(
+        evals=[eval_entry(gate_lines[1])])
+
+    waiting = screen({"pending": 3}, {"untrained": 5, "batch_size": 8})
+    assert ("trainer   waiting for turns: 5 of 8 released turns for the next step; scoring is "
+            "the bottleneck: 3 turns not scored yet") in waiting
+    training = screen(trainer={"untrained": 8, "batch_size": 8})
+    assert not any("waiting" in ln for ln in training if ln.startswith("trainer"))
+    assert any(ln.startswith("trainer   training; step ") for ln in training)
+    assert any(ln.startswith("trainer   paused; step ") for ln in screen(trainer={"paused": True}))
+    assert "trainer   off (--no-train)" in render(
+        {**health, "trainer": {"enabled": False}}, None).splitlines()
+
+
+def test_the_learning_panels_in_a_real_browser(gated, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    evals = requests.get(gated.url + "/ui/api/overview").json()["evals"]
+    errors: list[str] = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(gated.url + "/ui")
+            page.wait_for_selector("#chart-heldout")
+            # a dot per candidate, a ring more per refused one
+            assert page.locator("#chart-heldout circle.pt").count() == len(evals) + sum(
+                not e["passed"] for e in evals)
+            assert page.locator("#chart-heldout polyline").count() == 2  # candidate, served
+            assert page.locator("#trainer-waiting").inner_text() == (
+                "waiting for turns: 2 of 4 released turns for the next step")
+            header = page.locator("#status").inner_text()
+            assert "trainer waiting for turns" in header and "training" not in header
+            judge = page.locator("#judge").inner_text()
+            assert "off: rewards come from reward functions and feedback" in judge
+            assert "10 turns released to training" in judge
+            page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
+        finally:
+            browser.close()
+    assert errors == []
+
+
+def test_status_says_when_scoring_is_the_bottleneck(gated, capsys):
+    """Last here: it trains a third step once scoring goes on."""
+    SCORING_OPEN.clear()
+    try:
+        run_sessions(gated.url, 5, 1)
+        wait_until("2 turns held in scoring", lambda: healthz(gated.url)["scoring"]["pending"] == 2)
+        lines = status_screen(gated.url, capsys)
+        assert ("trainer   waiting for turns: 2 of 4 released turns for the next step; scoring "
+                "is the bottleneck: 2 turns not scored yet") in lines
+    finally:
+        SCORING_OPEN.set()
+    wait_for_steps(gated.url, 3)
+
+
+# ---- a real local judge (the tiny model, log-prob verdicts) ----
+
+def test_the_judge_figures_of_real_verdicts_in_status_and_the_browser(tiny, tmp_path, capsys):
+    def share(x):
+        return "" if x is None else f" ({x:.0%})"
+
+    with ServerThread(make_settings(tmp_path, prm_verdict="logprob"), tiny) as s:
+        run_sessions(s.url, 0, 2)
+        wait_until("4 turns scored", lambda: (healthz(s.url)["scoring"]["scored"], healthz(
+            s.url)["scoring"]["pending"]) == (4, 0))
+        time.sleep(0.5)  # the last session's releases (at-least-one) follow its last score
+        j = healthz(s.url)["scoring"]["judge"]
+        lines = read_records(tmp_path, "prm_scores.jsonl")  # a session's last turn: no judge
+        judged = [ln for ln in lines if ln["kind"] == "score" and ln["judged"]]
+        assert j["good"] + j["bad"] + j["undecided"] == len(judged) == 2
+        assert j["lifted"] == sum(ln.get("reason") == "at_least_one" for ln in lines)
+        lines = status_screen(s.url, capsys)
+        verdicts = (f"{j['good']} worked / {j['bad']} failed / {j['undecided']} undecided"
+                    f"{share(j['undecided_share'])}, 0 skipped")
+        i = lines.index(f"judge     logprob: {verdicts}")
+        assert lines[i + 1] == (f"          at-least-one lifted {j['lifted']} of "
+                                f"{j['released']} released{share(j['lifted_share'])}")
+        assert "trainer   off (--no-train)" in lines and HELD_OUT_OFF in lines
+        overview = requests.get(s.url + "/ui/api/overview").json()
+        assert overview["scoring"]["judge"] == j and overview["evals"] == []
+        sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+        if not Path(CHROMIUM).exists():
+            pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1100})
+                page.goto(s.url + "/ui")
+                page.wait_for_selector("#judge")
+                judge = page.locator("#judge").inner_text()
+                empty = page.locator("#chart-heldout").inner_text()
+                steps = page.locator("#chart-reward").inner_text()
+                bar = page.locator("#judge .bar span").count()
+                svg = page.locator("#chart-heldout svg, svg#chart-heldout").count()
+                header = page.locator("#status").inner_text()
+            finally:
+                browser.close()
+    assert "Judge (PRM): logprob" in judge and verdicts in judge and bar == 3
+    assert f"at-least-one lifted {j['lifted']} of {j['released']} released" in judge
+    assert empty.startswith("no evaluations yet") and svg == 0
+    assert steps == "no optimizer steps yet" and "trainer off" in header
