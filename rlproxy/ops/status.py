@@ -46,7 +46,7 @@ def share(x: float | None) -> str:
 
 def trainer_state(t: dict, scoring: dict) -> tuple[str, str | None]:
     """(the trainer's state: off, paused, error, stopped, waiting for turns or training; the
-    sentence that says what it waits for, or None). T: /healthz's "trainer" (ops/health.py adds
+    sentence that says what it waits for, or None). T: /healthz's "trainer" (with
     `untrained` and `batch_size`), SCORING: its "scoring". Training means a batch is there: the
     released turns not trained yet (those of a step under way included) fill one."""
     if not t.get("enabled"):

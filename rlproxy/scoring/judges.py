@@ -95,10 +95,12 @@ class LocalJudge:
 
     def _verdict(self, prompt: str, words: list[str]) -> dict[str, float]:
         """log p(next token) for each single-token spelling of WORDS after PROMPT (exact: the
-        full distribution, not a top-k). The head of PROMPT up to its first "\n\n" before
-        the turn's own text is prefilled once and its KV kept; each verdict prefills the rest."""
+        full distribution, not a top-k). The head of PROMPT (up to its last blank line: the
+        few-shot examples) is prefilled once and its KV kept; each verdict prefills the rest and
+        trims the cache back to the head. A model whose cache cannot be trimmed (a sliding
+        window) prefills the whole prompt every time."""
         import mlx.core as mx
-        from mlx_lm.models.cache import trim_prompt_cache
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
         from rlproxy.serving.logprobs import log_softmax, prefill, spans
 
@@ -106,8 +108,8 @@ class LocalJudge:
         if self._head is None or self._head[0] != head:
             ids = self.tokenizer.encode(head)
             self._head = (head, prefill(self.model, ids, spans(len(ids), PREFILL_STEP),
-                                        self._yield))
-        cache = self._head[1]
+                                        self._yield), len(ids))
+        _, cache, head_len = self._head
         ids = self.tokenizer.encode(tail, add_special_tokens=False)
         try:
             for a, b in spans(len(ids) - 1, PREFILL_STEP):
@@ -117,7 +119,10 @@ class LocalJudge:
             lp = log_softmax(self.model(mx.array(ids[-1:])[None], cache=cache)[0, -1])
             mx.eval(lp)
         finally:
-            trim_prompt_cache(cache, len(ids))  # back to the head alone
+            if can_trim_prompt_cache(cache):  # back to the head alone, whatever was prefilled
+                trim_prompt_cache(cache, cache[0].offset - head_len)
+            else:
+                self._head = None
         return {spelling: lp[token].item() for spelling, token in self._label_tokens(words)}
 
     def _label_tokens(self, words: list[str]) -> list[tuple[str, int]]:
