@@ -111,7 +111,7 @@ def test_only_liftable_turns_are_lifted():
     assert led.score("h1", 1, -1.0, True, liftable=False) == [
         Release("h0", -1.0, "session_closed"), Release("h1", -1.0, "session_closed")]
     led.restore("i0", "i", 0, -1.0, False, liftable=True)
-    led.restore_feedback("i0")  # a feedback line read back: a person's word
+    led.restore_feedback("i0", -1.0)  # a feedback line read back: a person's word
     led.restore("i1", "i", 1, -0.5, True, liftable=False)
     assert led.settle() == [Release("i0", -1.0, "session_closed"),
                             Release("i1", -0.5, "session_closed")]

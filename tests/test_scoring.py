@@ -85,9 +85,9 @@ def test_the_verdict_prompt_of_an_agent_length_turn_stays_small():
                 {"role": "user", "content": "It still fails, look at the refund path."}]}
     prompt = scoring.fill_verdict_prompt(template, turn, 4000)
     head, tail = scoring.split_head(prompt)
-    assert head == template[:template.rindex("Next: {next_state}")]  # the examples, constant
+    assert head + "\n\n" == template[:template.rindex("Next: {next_state}")]  # the examples
     assert len(tail) < scoring.VERDICT_STATE_CHARS + 80
-    assert tail.startswith("Next: (tool's result) collected 900 items")
+    assert tail.startswith("\n\nNext: (tool's result) collected 900 items")
     assert "KeyError: 'amount' (tool's result) x = 1" in tail  # each message's end is kept
     assert tail.endswith("(user's reply) It still fails, look at the refund path.\nResult:")
 
@@ -99,7 +99,7 @@ class Judge:
     """Answers /v1/chat/completions (votes, hints) and /v1/completions (log-prob verdicts). The
     next state of the judged turn carries the script: `[votes 1,-1,garbage,timeout]` (the k-th
     call for that turn gets the k-th item), `[hint yes]` (hint prompts get a hint) and
-    `[verdict -0.1,-2.3]` (the log-probs of " good" and " bad" at the label position; `_`
+    `[verdict -0.1,-2.3]` (the log-probs of " worked" and " failed" at the label position; `_`
     leaves that label out of the top log-probs). A verdict prompt without a script gets a
     completion with no log-probs, as a server that gives none. `shape` is how log-probs are
     asked for and answered: "legacy" (OpenAI's `logprobs: 20`, as vLLM) or "content" (mlx-lm's
@@ -130,14 +130,14 @@ class Judge:
             return web.json_response({"error": "logprobs must be a bool"}, status=400)
         self.verdicts[after] += 1  # answered
         script = re.search(r"\[verdict ([^,\]]*),([^\]]*)\]", after)
-        choice = {"index": 0, "text": " good", "finish_reason": "length"}
+        choice = {"index": 0, "text": " worked", "finish_reason": "length"}
         if script:
-            top = {t: float(v) for t, v in ((" good", script[1]), (" bad", script[2]))
+            top = {t: float(v) for t, v in ((" worked", script[1]), (" failed", script[2]))
                    if v.strip() != "_"}
             top[" the"] = -5.0
-            choice["logprobs"] = ({"tokens": [" good"], "top_logprobs": [top]}
+            choice["logprobs"] = ({"tokens": [" worked"], "top_logprobs": [top]}
                                   if self.shape == "legacy" else
-                                  {"content": [{"token": "\u0120good", "logprob": -0.1,
+                                  {"content": [{"token": "\u0120worked", "logprob": -0.1,
                                                 "top_logprobs": [
                                                     {"token": t.replace(" ", "\u0120"),
                                                      "logprob": v} for t, v in top.items()]}]})
@@ -444,9 +444,15 @@ def test_a_url_judge_gives_calibrated_logprob_verdicts(tiny, tmp_path, shape):
         released = capture(s)
         run_session(s, "lp", ["[verdict -0.1,-2.3] thanks", "[verdict -2.0,-0.05] no, redo",
                               "[verdict -1.0,-1.05] hmm", "[verdict _,-0.2] wrong"])
-        health = wait_scored(s, 5)
+        # once log-probs came, an answer without them is no verdict for that turn, not a
+        # fall-back to votes
+        run_session(s, "no-lp", ["plain words"])
+        health = wait_scored(s, 7)
         wait_for(lambda: len(released) == 3, what="3 released turns")
-    scores = by_index(tmp_path / "data")
+    scores = {r["index"]: r for r in lines(tmp_path / "data", "score") if r["session_id"] == "lp"}
+    (plain,) = [r for r in lines(tmp_path / "data", "score") if r["session_id"] == "no-lp"
+                and r["index"] == 0]
+    assert plain["judged"] and plain["verdict"]["decided"] is False and plain["votes"] == []
 
     def expected(z):  # the expected score 2P - 1 under P = sigmoid(2z + 0.5)
         return 2 / (1 + math.exp(-(2 * z + 0.5))) - 1
@@ -457,14 +463,15 @@ def test_a_url_judge_gives_calibrated_logprob_verdicts(tiny, tmp_path, shape):
     assert scores[2]["verdict"]["decided"] is False and scores[2]["judge_reward"] is None
     assert scores[2]["verdict"]["margin"] == pytest.approx(abs(expected(0.05)), abs=1e-3)
     assert scores[2]["reward"] is None
-    # " good" not among the top log-probs: it ranks below all of them (the smallest, -5)
+    # " worked" not among the top log-probs: it ranks below all of them (the smallest, -5)
     assert scores[3]["judge_reward"] == pytest.approx(expected(-4.8), abs=1e-3)
     assert sorted(r["turn"]["index"] for r in released) == [0, 1, 3]
     assert all(r["votes"] == [] for r in scores.values())
     assert health["verdict"] == "logprob"
     assert health["judge"]["good"] == 1 and health["judge"]["bad"] == 2
-    assert health["judge"]["undecided"] == 1 and health["judge"]["undecided_share"] == 0.25
-    assert sum(judge.verdicts.values()) == 4  # one call per judged turn: no sampling
+    assert health["judge"]["undecided"] == 2 and health["judge"]["undecided_share"] == 0.4
+    assert sum(judge.verdicts.values()) == 5  # one call per judged turn: no sampling
+    assert sum(judge.calls.values()) == 0  # no votes
 
 
 def test_a_url_judge_without_logprobs_falls_back_to_votes(tiny, tmp_path, judge, caplog):
@@ -605,3 +612,59 @@ async def test_the_scorer_forgets_finished_sessions_and_reads_its_records_back(t
         assert scorer.ledger.settle() == []
     finally:
         scorer.close()
+
+
+def test_feedback_read_back_is_never_lifted_and_keeps_its_reward(tmp_path):
+    """A restart reads feedback back whatever its order against the score line: here turn 0's
+    feedback line was written while its score line (without it) was being written. Neither
+    rated turn may be lifted, and the held turn is released with the feedback's reward."""
+    import orjson
+
+    from rlproxy.paths import SCORES
+    from rlproxy.scoring.ledger import Release
+    from rlproxy.scoring.scorer import Scorer
+
+    def score(uid, index, judge, final):
+        return {"kind": "score", "uid": uid, "session_id": "s", "index": index, "reward": judge,
+                "final": final, "judge_reward": judge, "function_reward": None,
+                "feedback": None, "judged": True}
+
+    lines_ = [{"kind": "feedback", "uid": "a0", "session_id": "s", "reward": -1.0},
+              score("a0", 0, -0.5, False), score("a1", 1, -1.0, True),
+              {"kind": "feedback", "uid": "a1", "session_id": "s", "reward": -1.0}]
+    (tmp_path / SCORES).write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines_))
+    scorer = Scorer(make_settings(tmp_path).scoring, tmp_path, None, None, None, fsync=False)
+    try:
+        assert scorer.ledger.settle() == [Release("a0", -1.0, "session_closed"),
+                                          Release("a1", -1.0, "session_closed")]
+        assert scorer.health()["judge"]["feedback_agree"] == 2  # read back too
+    finally:
+        scorer.close()
+
+
+def test_local_verdicts_are_exact_and_independent(tiny):
+    """The local judge reuses the few-shot head's KV: verdicts A, B, A read exactly what one
+    plain forward pass of each whole prompt reads, so no verdict leaks into the next."""
+    from rlproxy.scoring.judges import LocalJudge
+    from rlproxy.settings import PRM_PROMPTS_DIR
+
+    prompts = scoring.load_prompts(PRM_PROMPTS_DIR)
+    words = list(prompts["verdict_json"]["labels"])
+    turns = [{"messages": [{"role": "user", "content": "hi"}],
+              "choices": [{"text": "hello", "tool_calls": []}],
+              "next_state": [{"role": "user", "content": text}]}
+             for text in ("Thanks, perfect.", "No. " * 60 + "Redo it.")]
+    texts = [scoring.fill_verdict_prompt(prompts["verdict_txt"], t, 4000) for t in turns]
+    judge = LocalJudge(tiny.model, tiny.tokenizer, yield_ms=0)
+    try:
+        got = [asyncio.run(judge.verdict(texts[k], words)) for k in (0, 1, 0)]
+        assert judge._head is not None  # the head was reused
+    finally:
+        judge.close()
+    assert got[0] == got[2] and got[0] != got[1]
+    for text, top in zip(texts, got[:2]):
+        logits = tiny.model(mx.array(tiny.tokenizer.encode(text))[None])[0, -1]
+        lp = logits - mx.logsumexp(logits)
+        for spelling, value in top.items():
+            token = tiny.tokenizer.encode(spelling, add_special_tokens=False)[0]
+            assert value == pytest.approx(lp[token].item(), abs=1e-4), spelling

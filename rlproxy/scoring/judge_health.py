@@ -24,7 +24,7 @@ class JudgeHealth:
     feedback_disagree: int = 0  # ... with opposite signs
 
     def count(self, line: dict) -> None:
-        """A score line: its verdict."""
+        """A score line: its verdict, and the feedback it was scored with."""
         if line.get("judge_skipped"):
             self.skipped += 1
         elif line.get("judge_reward") is not None:
@@ -34,6 +34,7 @@ class JudgeHealth:
                 self.bad += 1
         elif line.get("judged"):
             self.undecided += 1
+        self.compare(line.get("judge_reward"), line.get("feedback"))
 
     def compare(self, judge: float | None, feedback: float | None) -> None:
         """Explicit feedback met a decided verdict: do they agree?"""

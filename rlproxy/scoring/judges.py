@@ -8,8 +8,8 @@ None: the backend gives no log-probs, and the scorer falls back to votes) and
 - LocalJudge: a second, adapter-free copy of the base model in its own thread (so judging can
   never change the serving adapter). While live requests are decoding it pauses between tokens
   (`judge_yield_ms`), so it cannot starve them.
-  Its verdicts reuse the KV of the prompt's constant head (the few-shot examples before the
-  first placeholder), so each verdict prefills only this turn's part.
+  Its verdicts reuse the KV of the prompt's constant head (the few-shot examples, before the
+  filled prompt's last blank line), so each verdict prefills only this turn's part.
 - RemoteJudge: any OpenAI-compatible URL for votes and hints; verdicts through its
   `/completions` with `logprobs` (OpenAI's legacy shape, as vLLM answers it, or the
   `logprobs: true, top_logprobs` shape of mlx-lm's server); for teacher log-probs it needs a
@@ -42,7 +42,11 @@ class JudgeUnavailable(Exception):
 
 
 class JudgeRefused(JudgeUnavailable):
-    """The judge answered the request with a 4xx: asking again will not help."""
+    """The judge answered the request with a 4xx (`status`)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class LocalJudge:
@@ -94,36 +98,52 @@ class LocalJudge:
         return await self._call(self._verdict, prompt, words)
 
     def _verdict(self, prompt: str, words: list[str]) -> dict[str, float]:
-        """log p(next token) for each single-token spelling of WORDS after PROMPT (exact: the
-        full distribution, not a top-k). The head of PROMPT (up to its last blank line: the
-        few-shot examples) is prefilled once and its KV kept; each verdict prefills the rest and
-        trims the cache back to the head. A model whose cache cannot be trimmed (a sliding
-        window) prefills the whole prompt every time."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+        """log p(next token) for each label spelling of WORDS after PROMPT (exact: the full
+        distribution, not a top-k). The head of PROMPT (before its last blank line: the few-shot
+        examples) is prefilled once and its KV kept, when the head and the tail tokenize as the
+        whole prompt does and the cache can be trimmed; each verdict then prefills the tail and
+        trims the cache back to the head. Otherwise the whole prompt is prefilled each time."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, \
+            trim_prompt_cache
 
-        from rlproxy.serving.logprobs import log_softmax, prefill, spans
+        from rlproxy.serving.logprobs import prefill, spans
 
         head, tail = split_head(prompt)
         if self._head is None or self._head[0] != head:
-            ids = self.tokenizer.encode(head)
-            self._head = (head, prefill(self.model, ids, spans(len(ids), PREFILL_STEP),
-                                        self._yield), len(ids))
-        _, cache, head_len = self._head
-        ids = self.tokenizer.encode(tail, add_special_tokens=False)
-        try:
-            for a, b in spans(len(ids) - 1, PREFILL_STEP):
-                self.model(mx.array(ids[a:b])[None], cache=cache)
-                mx.eval([c.state for c in cache])
-                self._yield(0.0)
-            lp = log_softmax(self.model(mx.array(ids[-1:])[None], cache=cache)[0, -1])
-            mx.eval(lp)
-        finally:
-            if can_trim_prompt_cache(cache):  # back to the head alone, whatever was prefilled
+            head_ids = self.tokenizer.encode(head)
+            tail_ids = self.tokenizer.encode(tail, add_special_tokens=False)
+            self._head = None
+            if head_ids + tail_ids == self.tokenizer.encode(prompt):
+                cache = prefill(self.model, head_ids, spans(len(head_ids), PREFILL_STEP),
+                                self._yield)
+                if can_trim_prompt_cache(cache):
+                    self._head = (head, cache, len(head_ids))
+        if self._head is None:  # no head to reuse: the whole prompt
+            lp = self._next_logprobs(make_prompt_cache(self.model),
+                                     self.tokenizer.encode(prompt))
+        else:
+            _, cache, head_len = self._head
+            try:
+                lp = self._next_logprobs(cache,
+                                         self.tokenizer.encode(tail, add_special_tokens=False))
+            finally:  # back to the head alone, whatever was prefilled
                 trim_prompt_cache(cache, cache[0].offset - head_len)
-            else:
-                self._head = None
         return {spelling: lp[token].item() for spelling, token in self._label_tokens(words)}
+
+    def _next_logprobs(self, cache: list, ids: list[int]):
+        """log p(the token after IDS), IDS prefilled into CACHE in PREFILL_STEP chunks (KV
+        only), each followed by a pause while live requests decode."""
+        import mlx.core as mx
+
+        from rlproxy.serving.logprobs import log_softmax, spans
+
+        for a, b in spans(len(ids) - 1, PREFILL_STEP):
+            self.model(mx.array(ids[a:b])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            self._yield(0.0)
+        lp = log_softmax(self.model(mx.array(ids[-1:])[None], cache=cache)[0, -1])
+        mx.eval(lp)
+        return lp
 
     def _label_tokens(self, words: list[str]) -> list[tuple[str, int]]:
         """(spelling, token id) of each label's spellings: the spelling's first token (a word
@@ -197,7 +217,7 @@ class RemoteJudge:
                         last = f"HTTP {resp.status}"
                     elif resp.status >= 400:
                         raise JudgeRefused(f"{url} answered HTTP {resp.status}: "
-                                               f"{(await resp.text())[:200]}")
+                                           f"{(await resp.text())[:200]}", resp.status)
                     else:
                         return await resp.json(content_type=None)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
@@ -217,21 +237,29 @@ class RemoteJudge:
             return ""  # a malformed answer is an invalid vote, not an outage
 
     async def verdict(self, prompt: str, words: list[str]) -> dict[str, float] | None:
-        """The top log-probs of the one token after PROMPT, from `/completions`; None when the
-        server gives none (the scorer then falls back to votes). Asks in OpenAI's legacy shape
-        (`logprobs: 20`) and, if that is refused with a 4xx, in the `logprobs: true,
-        top_logprobs` shape (mlx-lm's server), remembering which one worked. Both refused (a
-        server without `/completions`): None too. A 5xx or no answer is an outage."""
+        """The top log-probs of the one token after PROMPT, from `/completions`. The first
+        call finds the shape the server takes: OpenAI's legacy `logprobs: 20` (vLLM), else, if
+        that is refused with 400/404/405/422, `logprobs: true, top_logprobs` (mlx-lm's
+        server). None when the server answers without log-probs or refuses both shapes (no
+        `/completions`): the scorer then falls back to votes. Once a shape has worked, a
+        failure is what it is: an outage (the turn waits) or, for an answer without log-probs,
+        no verdict for this turn ({})."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-        shapes = [self._shape] if self._shape else list(LOGPROB_SHAPES)
-        for shape in shapes:
+        url = f"{self.url}/completions"
+        if self._shape is not None:
+            return top_logprobs(await self._post(url, {**body, **self._shape})) or {}
+        for shape in LOGPROB_SHAPES:
             try:
-                data = await self._post(f"{self.url}/completions", {**body, **shape})
-            except JudgeRefused as e:  # not this shape, or no /completions at all
-                log.info("judge %s refused log-probs as %s: %s", self.url, shape, e)
+                data = await self._post(url, {**body, **shape})
+            except JudgeRefused as e:
+                if e.status not in (400, 404, 405, 422):
+                    raise
+                log.info("judge %s refused log-probs asked as %s: %s", self.url, shape, e)
                 continue
-            self._shape = shape
-            return top_logprobs(data)
+            top = top_logprobs(data)
+            if top is not None:
+                self._shape = shape
+            return top
         return None
 
     async def teacher_logprobs(self, prompt_ids: list[int], completion_ids: list[int]):

@@ -156,9 +156,17 @@ def render_next_state_inline(messages: list[dict], limit: int) -> str:
     parts = []
     for m in messages:
         role = "tool's result" if m["role"] == "tool" else f"{m['role']}'s reply"
-        text = " ".join(str(m.get("content") or "(empty)").split())
-        parts.append(f"({role}) {trim_middle(text, share)}")
-    return " ".join(parts)
+        text = " ".join(content_text(m.get("content")).split()) or "(empty)"
+        parts.append(f"({role}) {' '.join(trim_middle(text, share).split())}")
+    return " ".join(trim_middle(" ".join(parts), 2 * limit).split())  # many messages: capped
+
+
+def content_text(content) -> str:
+    """A message's content as text: None is "", a list of parts the text of its text parts."""
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content
+                       if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return "" if content is None else str(content)
 
 
 def fill_verdict_prompt(template: str, turn: dict, limit: int,
@@ -177,12 +185,13 @@ def fill_verdict_prompt(template: str, turn: dict, limit: int,
 
 
 def split_head(prompt: str) -> tuple[str, str]:
-    """A filled verdict prompt cut where the turn's own part starts (after the last blank
-    line before the final "Next"-style block): (the constant few-shot head, this turn's tail).
-    The local judge keeps the head's KV; the cut is at a blank line, where tokenization breaks
-    the same way whether the two parts are tokenized together or apart."""
+    """A filled verdict prompt cut where the turn's own part starts, just before its last blank
+    line: (the constant few-shot head, this turn's tail, which starts with that blank line).
+    The local judge keeps the head's KV. Cut before the blank line, not after it: a head ending
+    in "\n\n" would tokenize it as one token where the whole prompt has two (byte-level BPE);
+    the judge checks that the two parts tokenize as the whole does before it reuses the head."""
     cut = prompt.rfind("\n\n")
-    return (prompt[:cut + 2], prompt[cut + 2:]) if cut > 0 else ("", prompt)
+    return (prompt[:cut], prompt[cut:]) if cut > 0 else ("", prompt)
 
 
 def label_variants(word: str) -> list[str]:
@@ -197,21 +206,29 @@ def normal_token(token: str) -> str:
     return token.replace("\u0120", " ").replace("\u2581", " ")
 
 
-def label_logprobs(top: dict[str, float], labels: dict[str, int]) -> dict[int, float] | None:
-    """{token: log-prob} at the label position -> {1: log p(good), -1: log p(bad)}, each the
-    log of the summed probability of the label's spellings. A label missing from TOP gets the
-    smallest log-prob in TOP (an upper bound: it ranked below all of them); None when neither
-    label is there (no verdict)."""
+def found_labels(top: dict[str, float], labels: dict[str, int]) -> dict[int, list[float]]:
+    """The log-probs in TOP of each polarity's spellings: {1: [...], -1: [...]}."""
     found: dict[int, list[float]] = {1: [], -1: []}
     for token, lp in top.items():
+        spelled = normal_token(token)
         for word, polarity in labels.items():
-            if normal_token(token) in label_variants(word) or normal_token(
-                    token).strip().lower() == word.lower():
+            if spelled in label_variants(word) or spelled.strip().lower() == word.lower():
                 found[polarity].append(lp)
                 break
+    return found
+
+
+def label_logprobs(top: dict[str, float], labels: dict[str, int]) -> dict[int, float] | None:
+    """{token: log-prob} at the label position -> {1: log p(good), -1: log p(bad)}, each the
+    log of the summed probability of the label's spellings. A label missing from TOP (a URL
+    judge's top-k) gets an upper bound: no more than the smallest log-prob in TOP (it ranked
+    below all of them) nor than the mass TOP leaves; `read_verdict` then trusts the verdict only
+    in the direction of the label that was found. None when neither label is there."""
+    found = found_labels(top, labels)
     if not found[1] and not found[-1]:
         return None
-    floor = min(top.values())
+    left = 1.0 - sum(math.exp(lp) for lp in top.values())
+    floor = min(min(top.values()), math.log(left) if left > 1e-12 else -27.6)
     return {p: _logsumexp(lps) if lps else floor for p, lps in found.items()}
 
 
@@ -241,6 +258,9 @@ def read_verdict(top: dict[str, float] | None, labels: dict[str, int],
     p = calibrated(lps[1] - lps[-1], calibration)
     reward = 2 * p - 1
     decided = abs(reward) >= min_margin
+    missing = [polarity for polarity, lps in found_labels(top, labels).items() if not lps]
+    if missing and (reward > 0) == (missing[0] == 1):
+        decided = False  # a bound on the missing label cannot support its own direction
     return {"label_logprobs": {"1": round(lps[1], 4), "-1": round(lps[-1], 4)},
             "p_good": round(p, 4), "margin": round(abs(reward), 4), "decided": decided,
             "reward": round(reward, 4) if decided else None}

@@ -174,11 +174,14 @@ class Ledger:
         tally.held.add(uid)
         tally.closed |= final
 
-    def restore_feedback(self, uid: str) -> None:
-        """A `feedback` line read back for a scored turn: it is never lifted."""
+    def restore_feedback(self, uid: str, reward: float | None) -> None:
+        """A `feedback` line read back for a scored turn of an open session: it is never
+        lifted, and its reward is REWARD (what the feedback made it)."""
         sid = self.session_of.get(uid)
-        if sid is not None:
-            self.tallies[sid].liftable.discard(uid)
+        if sid is not None and uid in self.tallies[sid].scored:
+            tally = self.tallies[sid]
+            tally.liftable.discard(uid)
+            tally.scored[uid] = (tally.scored[uid][0], reward)
 
     def restore_release(self, uid: str, reward: float | None) -> None:
         """A `release` line read back (its latest reward wins)."""

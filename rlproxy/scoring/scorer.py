@@ -161,7 +161,7 @@ class Scorer:
         scored: set[str] = set()
         held: dict[str, dict] = {}  # uid -> score line, until its release line is read
         recent: LRU[str, dict] = LRU(self.keep_recent)  # released lately -> score line
-        feedback: dict[str, tuple[float, str | None]] = {}
+        feedback: dict[str, tuple[float, str | None, bool]] = {}  # (.., after its score line)
         path = self.data_dir / paths.SCORES
         # an odd line: skipped, with a WARNING
         for line in readable(read_jsonl(path, report_cut=True), path):
@@ -183,13 +183,20 @@ class Scorer:
                 if score is not None:
                     recent.put(uid, score)
             elif kind == "feedback":
-                feedback[uid] = (line["reward"], line.get("comment"))
-                if uid in scored:  # a person's word: never lifted over
-                    self.ledger.restore_feedback(uid)
+                feedback[uid] = (line["reward"], line.get("comment"), uid in scored)
         self.feedback.max_items = None  # all of it, as written; the next one trims
-        for uid, f in feedback.items():
+        for uid, (reward, comment, after) in feedback.items():
+            line = held.get(uid) or recent.peek(uid)
             if uid not in scored:
-                self.feedback.assign(uid, f)
+                self.feedback.assign(uid, (reward, comment))
+            elif line is not None and (after or line["feedback"] is None):
+                # given after its turn was scored (or while its score line was being written):
+                # a person's word, so the turn is never lifted, and a held turn keeps its reward
+                self.judge_health.compare(line["judge_reward"], reward)
+                new = scoring.final_reward(line["judge_reward"], line["function_reward"],
+                                           reward, self.s.feedback_mode)
+                line["feedback"], line["reward"] = reward, new
+                self.ledger.restore_feedback(uid, new)
         self.feedback.max_items = KEEP_FEEDBACK
         for record in read_jsonl(self.data_dir / paths.CONVERSATIONS):
             uid = record.get("uid")
@@ -309,7 +316,7 @@ class Scorer:
         chosen, n = record.get("chosen_choice", 0), len(record["choices"])
         everyone = list(range(n))
         judged = everyone if self.s.score_all_choices else [chosen]
-        has_next = record["next_state"] is not None
+        has_next = bool(record["next_state"])  # an empty next state tells the judge nothing
         rl, opd = self.s.method in ("rl", "combine"), self.s.method in ("opd", "combine")
         votes, verdicts, judge, teacher, hint = {}, {}, {}, {}, None
         functions, errors = {}, []
@@ -387,7 +394,6 @@ class Scorer:
             releases = self.ledger.score(uid, record["index"], line["reward"], line["final"],
                                          liftable(line))
         self.judge_health.count(line)
-        self.judge_health.compare(line["judge_reward"], line["feedback"])
         metrics.observe_score(line)
         self.stats.scored += 1
         self.stats.function_errors += len(errors)
