@@ -121,15 +121,11 @@ class Scorer:
     def _calibration(self, name: str) -> dict | None:
         """verdict.json's calibration for the judge model NAME (None: the raw odds)."""
         calibration = self.prompts["verdict_json"]["calibration"].get(name)
-        if self.s.judge and self.s.prm_verdict == "logprob" and self.s.method != "opd":
-            if calibration is None:
-                log.warning("no calibration for judge %r in %s: log-prob verdicts use the raw "
-                            "odds of the two labels (fit one with bench/judge_accuracy.py "
-                            "--calibrate --judge-name %s)", name,
-                            Path(self.s.prm_prompts) / "verdict.json", name)
-            else:
-                log.info("judge %r: log-prob verdicts, calibration scale %s bias %s", name,
-                         calibration["scale"], calibration["bias"])
+        if calibration is None and self.s.judge and self.s.prm_verdict == "logprob" and (
+                self.s.method != "opd"):
+            log.warning("no calibration for judge %r in %s: log-prob verdicts use the raw odds "
+                        "of the two labels (fit one: bench/judge_accuracy.py --calibrate "
+                        "--judge-name %s)", name, Path(self.s.prm_prompts) / "verdict.json", name)
         return calibration
 
     # ---- what it knows (thread-safe) ----
@@ -301,8 +297,7 @@ class Scorer:
         if self.verdict_mode != "votes":
             self.verdict_mode = "votes"
             log.warning("the judge (%s) returns no log-probs: PRM verdicts fall back to votes "
-                        "(--prm-m %d sampled answers of judge.txt); --prm-verdict votes asks "
-                        "for votes from the start", self.judge_name, self.s.prm_m)
+                        "(--prm-m %d answers of judge.txt)", self.judge_name, self.s.prm_m)
 
     def _teacher_prompt(self, record: dict, hint: str) -> list[int]:
         """On a worker thread: a long prompt's chat template takes a while."""
