@@ -668,3 +668,4 @@ def test_local_verdicts_are_exact_and_independent(tiny):
         for spelling, value in top.items():
             token = tiny.tokenizer.encode(spelling, add_special_tokens=False)[0]
             assert value == pytest.approx(lp[token].item(), abs=1e-4), spelling
+
