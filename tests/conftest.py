@@ -6,6 +6,7 @@ the async openai clients against it exactly as an agent would.
 
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import threading
 import time
@@ -245,3 +246,22 @@ def read_records(data_dir, name="conversations.jsonl") -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def dashboard_page(url: str):
+    """A page of Debian's Chromium (driven by Playwright) at URL, and the list its page errors
+    go to; the test is skipped where either is missing."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    if not Path("/usr/bin/chromium").exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    errors: list[str] = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url)
+            yield page, errors
+        finally:
+            browser.close()

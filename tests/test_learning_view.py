@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import ServerThread, make_settings, read_records
+from conftest import dashboard_page, ServerThread, make_settings, read_records
 from demo_agent import run_sessions, wait_for_steps
 from rlproxy.demo import run as demo
 from rlproxy.ops.status import HELD_OUT_OFF, render, status_cmd
@@ -166,32 +166,21 @@ def test_render_on_the_real_answers_with_other_figures(gated):
 
 
 def test_the_learning_panels_in_a_real_browser(gated, tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
     evals = requests.get(gated.url + "/ui/api/overview").json()["evals"]
-    errors: list[str] = []
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(gated.url + "/ui")
-            page.wait_for_selector("#chart-heldout")
-            # a dot per candidate, a ring more per refused one
-            assert page.locator("#chart-heldout circle.pt").count() == len(evals) + sum(
-                not e["passed"] for e in evals)
-            assert page.locator("#chart-heldout polyline").count() == 2  # candidate, served
-            assert page.locator("#trainer-waiting").inner_text() == (
-                "waiting for turns: 2 of 4 released turns for the next step")
-            header = page.locator("#status").inner_text()
-            assert "trainer waiting for turns" in header and "training" not in header
-            judge = page.locator("#judge").inner_text()
-            assert "off: rewards come from reward functions and feedback" in judge
-            assert "10 turns released to training" in judge
-            page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
-        finally:
-            browser.close()
+    with dashboard_page(gated.url + "/ui") as (page, errors):
+        page.wait_for_selector("#chart-heldout")
+        # a dot per candidate, a ring more per refused one
+        assert page.locator("#chart-heldout circle.pt").count() == len(evals) + sum(
+            not e["passed"] for e in evals)
+        assert page.locator("#chart-heldout polyline").count() == 2  # candidate, served
+        assert page.locator("#trainer-waiting").inner_text() == (
+            "waiting for turns: 2 of 4 released turns for the next step")
+        header = page.locator("#status").inner_text()
+        assert "trainer waiting for turns" in header and "training" not in header
+        judge = page.locator("#judge").inner_text()
+        assert "off: rewards come from reward functions and feedback" in judge
+        assert "10 turns released to training" in judge
+        page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
     assert errors == []
 
 

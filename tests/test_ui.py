@@ -17,7 +17,7 @@ import orjson
 import pytest
 import requests
 
-from conftest import ServerThread, make_settings, read_records
+from conftest import dashboard_page, ServerThread, make_settings, read_records
 from demo_agent import run_sessions, training_settings, wait_for_steps
 from rlproxy.appkeys import MODEL, SETTINGS, TRAINER
 from rlproxy.demo.run import REWARD_FUNCTION
@@ -521,28 +521,17 @@ def test_three_gate_rollbacks_in_a_row_pause_training_with_the_reason_on_healthz
 
 
 def test_the_reward_chart_marks_each_rollback_in_a_real_browser(guarded, tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    errors: list[str] = []
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(guarded.url + "/ui")
-            page.wait_for_selector("#chart-reward line.rollback", state="attached")  # 0 wide
-            marks = page.locator("#chart-reward line.rollback")
-            assert marks.count() == 3
-            assert "max_kl 0.6" in marks.first.locator("title").text_content()
-            assert "trainer paused" in page.locator("#status").inner_text()
-            page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
-            page.goto(guarded.url + "/ui#/adapters")
-            page.wait_for_function("document.body.dataset.loaded === '#/adapters'")
-            assert page.get_by_text("candidate v1 refused").count() == 1
-            assert page.get_by_text("learning rate x0.125").count() == 1
-        finally:
-            browser.close()
+    with dashboard_page(guarded.url + "/ui") as (page, errors):
+        page.wait_for_selector("#chart-reward line.rollback", state="attached")  # 0 wide
+        marks = page.locator("#chart-reward line.rollback")
+        assert marks.count() == 3
+        assert "max_kl 0.6" in marks.first.locator("title").text_content()
+        assert "trainer paused" in page.locator("#status").inner_text()
+        page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
+        page.goto(guarded.url + "/ui#/adapters")
+        page.wait_for_function("document.body.dataset.loaded === '#/adapters'")
+        assert page.get_by_text("candidate v1 refused").count() == 1
+        assert page.get_by_text("learning rate x0.125").count() == 1
     assert errors == []
 
 
