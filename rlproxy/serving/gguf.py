@@ -5,6 +5,8 @@ MLX's affine quantized layout, group size 32) and its metadata (architecture, si
 merges, chat template). This module turns both into an ordinary directory (`config.json`,
 `model.safetensors`, `tokenizer.json` + `tokenizer_config.json`, `generation_config.json`) that
 `mlx_lm.load` opens, so a GGUF model is served, trained and fused by the same code as any other.
+The weights written are the file's own values, equal to llama.cpp's `gguf.quants.dequantize`:
+tensors that mx.load gives inexactly are read from the file's blocks instead.
 
 It owns the conversion only: finding a file by model name is `rlproxy.model_fetch`, loading is
 `rlproxy.model`.
@@ -23,7 +25,7 @@ from rlproxy.serving.model_fetch import build_once
 log = logging.getLogger(__name__)
 
 # Bump when the conversion changes what is written: old directories are then left unused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: weights exactly as in the file (v1 rounded through float16)
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # GGUF's quantized blocks that mx.load reads hold 32 weights each (Q4_0, Q4_1, Q8_0).
 GGUF_GROUP_SIZE = 32
@@ -90,6 +92,11 @@ def converted_dir(gguf: Path, dequantize: bool, cache_dir: Path) -> Path:
 MX_READS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
 # ... and these K-quants it dequantizes to float16 while loading.
 MX_READS_AS_F16 = ("Q2_K", "Q4_K", "Q6_K")
+# Types whose values mx.load does not give as they are in the file, so they are read from the
+# file's blocks: BF16 arrives as float16 (1e5 becomes inf, 1e-7 loses bits), the K-quants rounded
+# to float16, and Q4_K unlike llama.cpp's decoding besides (measured on random blocks with mlx
+# 0.32: every second 32-weight sub-block off, by up to 18).
+FROM_BLOCKS = ("BF16",) + MX_READS_AS_F16
 
 
 def read_gguf(gguf: Path) -> tuple[dict, dict]:
@@ -128,6 +135,7 @@ def convert(gguf: Path, out: Path, dequantize: bool) -> None:
     import mlx.core as mx
 
     weights, meta = read_gguf(gguf)
+    read_inexact_from_blocks(gguf, weights, dequantize)
     arch = scalar(meta, "general.architecture")
     if arch is None:
         raise GGUFError(f"{gguf.name} has no general.architecture: it is not a model file")
@@ -147,6 +155,40 @@ def convert(gguf: Path, out: Path, dequantize: bool) -> None:
         config["quantization"] = quantization_config(weights, quantized)
     save_model_dir(out, weights, config)
     write_tokenizer(out, meta, config)
+
+
+def read_inexact_from_blocks(gguf: Path, weights: dict, dequantize: bool) -> None:
+    """Replace in WEIGHTS (GGUF names, from mx.load) each tensor that mx.load did not give exactly
+    with the values of the file's blocks, dequantized by llama.cpp's own `gguf.quants` (float32).
+
+    Q4_0, Q4_1 and Q8_0 stay as mx.load gives them: MLX's layout holds their blocks exactly (the
+    file's float16 scale, and as bias Q4_1's float16 minimum, or -8 or -128 times the scale,
+    exact in float16), unless that bias overflows float16 (a Q8_0 scale over 511.75): such a
+    tensor is read from the file too. Kept quantized (`dequantize` false), a tensor read here is
+    what the file holds where a dtype can: BF16 as bfloat16, an overflowing Q4_0/Q8_0 as float32,
+    and a K-quant as float16 (as mx.load gives it, but rounded once from its exact value): MLX's
+    affine layout cannot hold K-quants (sub-block scales d * scale are not float16 numbers, and
+    Q2_K/Q6_K groups hold 16 weights)."""
+    import mlx.core as mx
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as dequantize_blocks
+
+    for t in GGUFReader(str(gguf)).tensors:
+        kind, layer = t.tensor_type.name, t.name.removesuffix(".weight")
+        biases = weights.get(f"{layer}.biases")
+        overflowed = biases is not None and not mx.isfinite(biases).all().item()
+        if kind not in FROM_BLOCKS and not overflowed:
+            continue
+        if kind == "BF16" and not dequantize:
+            value = mx.array(t.data.view(np.uint16)).view(mx.bfloat16)  # the file's bits
+        else:
+            value = mx.array(dequantize_blocks(t.data, t.tensor_type))  # float32
+            if kind in MX_READS_AS_F16 and not dequantize:
+                value = value.astype(mx.float16)
+        weights.pop(f"{layer}.scales", None)
+        weights.pop(f"{layer}.biases", None)
+        weights[t.name] = value
 
 
 def scalar(meta: dict, key: str, default=None):
@@ -224,15 +266,16 @@ def layer_bits(weights: dict, layer: str) -> int:
 def dequantize_all(weights: dict, layers: list[str]) -> None:
     """Float32: dequantizing is for the CPU backend, where float32 matmuls are the fast ones
     (float16 measured 2-5x slower), so mlx-lm's own tools get the fast path from this directory
-    too."""
+    too. Scales and biases go to float32 first: mx.dequantize computes in their dtype, and
+    scale * q + bias is exact in float32 for these blocks but not in float16."""
     import mlx.core as mx
 
     for layer in layers:
         bits = layer_bits(weights, layer)
+        scales = weights.pop(f"{layer}.scales").astype(mx.float32)
+        biases = weights.pop(f"{layer}.biases").astype(mx.float32)
         weights[f"{layer}.weight"] = mx.dequantize(
-            weights[f"{layer}.weight"], weights.pop(f"{layer}.scales"),
-            weights.pop(f"{layer}.biases"), group_size=GGUF_GROUP_SIZE,
-            bits=bits).astype(mx.float32)
+            weights[f"{layer}.weight"], scales, biases, group_size=GGUF_GROUP_SIZE, bits=bits)
 
 
 def quantization_config(weights: dict, layers: list[str]) -> dict:
