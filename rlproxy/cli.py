@@ -4,33 +4,51 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import errno
+import logging
 import os
 import sys
 from pathlib import Path
 
+from rlproxy import preflight
 from rlproxy.flags import SETTINGS_SOURCES, add_serve_flags, add_setting_flag, flags_from
 from rlproxy.ops import progress
 from rlproxy.ops.logs import setup_logging
 from rlproxy.ops.ranks import launched_rank
-from rlproxy.paths import DataDirInUse, lock_data_dir
+from rlproxy.paths import CHECKPOINTS, DataDirInUse, complete_checkpoints, lock_data_dir
 from rlproxy.settings import ModelSettings, load_settings
+
+log = logging.getLogger("rlproxy.server")
+
+# The exit statuses (the README's "Exit codes" lists them): 0 done, 1 the command ran and
+# failed, 2 a mistake in the command line or settings, 3 what it needs is in use.
+FAILED, USAGE, IN_USE = 1, 2, 3
 
 
 def serve(args: argparse.Namespace) -> int:
     settings = load_settings(flags_from(args), args.config)
     setup_logging(args.log_level, settings.server.log_format)  # flag > env > the TOML file
+    preflight.check_model(settings.model.model)  # one line in a second, before any loading
+    preflight.check_adapter(settings.model.adapter)
     if launched_rank() is not None:  # under mlx.launch: ranks but 0 only compute gradients
         if (code := gradient_worker(settings)) is not None:
             return code
+    preflight.check_port(settings.server.host, settings.server.port)
     # first: a second server on one data dir stops here, before it loads or writes anything
-    with data_dir_locked(settings.records.data_dir):
+    with data_dir_locked(settings.records.data_dir, server_url(settings)):
+        served_adapter(settings)
         from rlproxy.api import server  # (before mlx_lm: it notes the open-file limit)
         from rlproxy.app import create_app
 
         app = create_app(settings)
-        # server.run_app: aiohttp's own parse errors (bad headers, chunking ...) answered as JSON
-        server.run_app(app, host=settings.server.host, port=settings.server.port,
-                       print=lambda msg: print(msg, flush=True))
+        host, port = settings.server.host, settings.server.port
+        try:  # server.run_app: aiohttp's own parse errors (bad headers ...) answered as JSON
+            server.run_app(app, host=host, port=port, print=lambda msg: print(msg, flush=True))
+        except OSError as e:  # taken since the check above: the same one line
+            if e.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+                raise preflight.bind_error(e, host, port) from None
+            raise
     return 0
 
 
@@ -45,10 +63,34 @@ def gradient_worker(settings) -> int | None:
     return distributed.work(settings, distributed.Link(group, None))
 
 
+def served_adapter(settings) -> None:
+    """With --no-train and no --adapter: serve the data dir's newest checkpoint (what was
+    trained there), saying so; `--adapter base` serves the base model. The trainer resumes from
+    that checkpoint itself when it runs."""
+    model = settings.model
+    if model.adapter == "base":
+        model.adapter = None
+        log.info("--adapter base: serving the base model without an adapter")
+    elif settings.trainer.train or settings.remote.sampler == "tinker":
+        return
+    elif model.adapter is None and (kept := complete_checkpoints(
+            settings.records.data_dir / CHECKPOINTS)):
+        model.adapter = str(kept[-1])
+        log.info("--no-train: serving the adapter trained in this data dir, checkpoint %s "
+                 "(--adapter base serves the base model)", kept[-1])
+
+
+def server_url(settings) -> str:
+    host = settings.server.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{settings.server.port}"
+
+
 @contextlib.contextmanager
-def data_dir_locked(data_dir: Path):
-    """Hold the data dir's lock (paths.lock_data_dir: one writer per folder) for the block."""
-    fd = lock_data_dir(data_dir)
+def data_dir_locked(data_dir: Path, url: str | None = None):
+    """Hold the data dir's lock (paths.lock_data_dir: one writer per folder) for the block;
+    a server notes its URL there (`rlproxy export` finds it)."""
+    fd = lock_data_dir(data_dir, url)
     try:
         yield
     finally:
@@ -83,7 +125,7 @@ def records_tail(args: argparse.Namespace) -> int:
     from rlproxy.paths import CONVERSATIONS
     from rlproxy.records import follow_jsonl, read_jsonl
 
-    settings = load_settings({"data_dir": args.data_dir})
+    settings = load_settings({"data_dir": args.data_dir, "model": args.model})
     path = settings.records.data_dir / CONVERSATIONS
     lines = follow_jsonl(path) if args.follow else read_jsonl(path)
     try:
@@ -199,7 +241,7 @@ def demo_cmd(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="rlproxy",
+        prog="rlproxy", allow_abbrev=False,
         description="OpenAI-compatible proxy that serves an MLX model and learns from agent "
         "traffic. Point an agent at base_url=http://127.0.0.1:8000/v1.",
     )
@@ -237,10 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write an adapter for other tools: PEFT (vLLM, peft), "
                        "mlx-lm, a fused model or GGUF")
     src = e.add_mutually_exclusive_group()
-    add_setting_flag(src, "data_dir", help="a server's --data-dir: export its newest (or "
-                     "--step) checkpoint (default: ~/.rlproxy)")
+    add_setting_flag(src, "data_dir", help="a server's --data-dir: the adapter it serves "
+                     "now while it runs, else its newest (or --step) checkpoint (default: "
+                     "~/.rlproxy/<model>/)")
     src.add_argument("--adapter", help="an adapter directory (mlx-lm or PEFT layout)")
     e.add_argument("--step", type=int, help="the checkpoint step (default: the newest)")
+    e.add_argument("--url", help="a running server to take the adapter it serves now from "
+                   "(default: the one running on --data-dir, if any)")
+    e.add_argument("--api-key", help="that server's --api-key (env RLPROXY_API_KEY)")
     e.add_argument("--format", required=True, choices=("peft", "mlx", "fused", "gguf"))
     e.add_argument("--out", required=True, help="the folder to write")
     add_setting_flag(e, "model")
@@ -261,7 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     records = sub.add_parser("records", help="read the JSONL training records")
     rsub = records.add_subparsers(dest="records_command", required=True)
     t = rsub.add_parser("tail", help="print recorded turns readably")
-    add_setting_flag(t, "data_dir", help="the server's --data-dir (default: ~/.rlproxy)")
+    add_setting_flag(t, "data_dir", help="the server's --data-dir (default: "
+                     "~/.rlproxy/<model>/, the --model's)")
+    add_setting_flag(t, "model")
     t.add_argument("--follow", "-f", action="store_true", help="keep printing new turns")
     t.add_argument("--session", help="only this session id")
     t.set_defaults(func=records_tail)
@@ -270,19 +318,40 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the server (:8000 locally)")
     st.add_argument("--api-key", help="its --api-key, for the step history (env RLPROXY_API_KEY)")
     st.set_defaults(func=status_cmd)
+    parser.set_defaults(subparsers={**sub.choices, "records": rsub.choices})
     return parser
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; an unknown one is an error of the subcommand it was given to, shown with
+    that subcommand's usage and the closest flag it has (argparse would show the top level's)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub = args.subparsers[args.command]
+        if isinstance(sub, dict):  # `records tail`
+            sub = sub[args.records_command]
+        flags = [f for action in sub._actions for f in action.option_strings]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], flags, n=1, cutoff=0.7)
+        hint = f" (did you mean {close[0]}?)" if close and unknown[0].startswith("-") else ""
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}; `{sub.prog} --help` "
+                  "lists every flag")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if args.func not in (serve, train_cmd):  # those two set it up from their loaded settings
         setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", None)
                       or os.environ.get("RLPROXY_LOG_FORMAT") or "text")
     try:
         return args.func(args)
-    except (ValueError, DataDirInUse) as e:  # settings problems, a busy data dir: say so
+    except (DataDirInUse, preflight.PortInUse) as e:  # another process has it: say which
         print(f"rlproxy: {e}", file=sys.stderr)
-        return 2
+        return IN_USE
+    except ValueError as e:  # settings problems, an unknown model, an adapter that does not fit
+        print(f"rlproxy: {e}", file=sys.stderr)
+        return USAGE
 
 
 if __name__ == "__main__":

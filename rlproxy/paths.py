@@ -2,12 +2,19 @@
 
 Plain names relative to the data directory; callers join them (`data_dir / TRAINING`). Imports
 nothing of rlproxy and no MLX, so the CLI, the dashboard and the tests can name files cheaply.
-Also `lock_data_dir`: one process writing a data directory at a time (LOCK).
+Also `default_data_dir`: one data directory per model when `--data-dir` is not given, and
+`lock_data_dir`: one process writing a data directory at a time (LOCK).
 """
 
 import fcntl
+import hashlib
+import json
+import logging
 import os
+import re
 from pathlib import Path
+
+log = logging.getLogger("rlproxy.paths")
 
 CONVERSATIONS = "conversations.jsonl"  # one line per served main turn (records.py)
 PENDING = "pending_turns.jsonl"  # turns waiting for their next state (sessions/store.py)
@@ -24,6 +31,50 @@ LOCK = "rlproxy.lock"  # flock'ed by the one process writing here; holds its PID
 # inside a checkpoint folder
 TRAINER_STATE = "trainer_state.json"
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+HOME = Path.home() / ".rlproxy"  # the default data dirs, one per model: HOME/<model>/
+# Before per-model data dirs, HOME itself was the data dir; these at its top level say it holds
+# records or checkpoints (`default_data_dir` keeps it in use for the model they belong to).
+LEGACY_MARKS = (CONVERSATIONS, PENDING, SCORES, TRAINING, CHECKPOINTS)
+DEFAULT_MODEL = "smollm2-135m-instruct"  # ModelSettings' default (what a legacy dir served)
+
+
+def model_dir_name(model: str) -> str:
+    """A folder name for --model MODEL: a named model, tiny/small or a hub id as it is (a hub
+    id's '/' as '--'); a file or directory by its name plus a hash of its absolute path, so two
+    folders both called `model` do not share records."""
+    name = model.replace("/", "--")
+    local = model.lower().endswith(".gguf") or Path(model).is_dir()
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", name) and not local:
+        return name
+    path = Path(model).expanduser().resolve()
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:64] or "model"
+    return f"{stem}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+
+
+def default_data_dir(model: str, home: Path = HOME) -> Path:
+    """The data dir of --model MODEL when --data-dir is not given: HOME/<model_dir_name>/, so
+    switching models keeps each one's records and checkpoints apart. A HOME that is itself a
+    data dir from before (records or checkpoints at its top level) stays the data dir of the
+    model they belong to: its newest checkpoint's, else the default model's."""
+    if any((home / name).exists() for name in LEGACY_MARKS) and legacy_model(home) == model:
+        log.info("data dir %s (the layout before per-model data dirs) holds %s's records: kept "
+                 "in use; other models get %s/<model>/", home, model, home)
+        return home
+    return home / model_dir_name(model)
+
+
+def legacy_model(home: Path) -> str:
+    """The model a pre-per-model data dir HOME was serving: its newest checkpoint's --model (in
+    trainer_state.json), else DEFAULT_MODEL."""
+    for checkpoint in reversed(complete_checkpoints(home / CHECKPOINTS)):
+        try:
+            state = json.loads((checkpoint / TRAINER_STATE).read_text())
+            return state["settings"]["model"]["model"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return DEFAULT_MODEL
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -49,10 +100,11 @@ class DataDirInUse(RuntimeError):
     """Another live process holds the data directory's LOCK."""
 
 
-def lock_data_dir(data_dir: Path) -> int:
-    """Take DATA_DIR's LOCK (creating the folder), write this PID in it and return its file
-    descriptor: the lock lasts as long as the descriptor, so it ends with the process however
-    that ends. A second server on one folder would interleave records and lose turns.
+def lock_data_dir(data_dir: Path, url: str | None = None) -> int:
+    """Take DATA_DIR's LOCK (creating the folder), write this PID in it (and a server's URL:
+    `serving_url` reads it) and return its file descriptor: the lock lasts as long as the
+    descriptor, so it ends with the process however that ends. A second server on one folder
+    would interleave records and lose turns.
     Raises DataDirInUse, naming the holder's PID, when another process has it."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -61,10 +113,28 @@ def lock_data_dir(data_dir: Path) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        holder = (os.read(fd, 256).decode(errors="replace").split() or ["unknown"])[0]
         os.close(fd)
         raise DataDirInUse(f"{data_dir} is in use by another rlproxy (pid {holder}, lock "
                            f"{path}); stop that one or give this one another --data-dir") from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{os.getpid()}{' ' + url if url else ''}\n".encode(), 0)
     return fd
+
+
+def serving_url(data_dir: Path) -> str | None:
+    """The URL of the server running on DATA_DIR now (the one holding its LOCK), or None when
+    no process holds it (or the holder noted no URL: `rlproxy train`)."""
+    try:
+        fd = os.open(Path(data_dir) / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None  # nobody holds it
+        except BlockingIOError:
+            words = os.read(fd, 256).decode(errors="replace").split()
+            return words[1] if len(words) > 1 else None
+    finally:
+        os.close(fd)

@@ -16,10 +16,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rlproxy.paths import default_data_dir
 from rlproxy.scoring.judging import STD_FLOOR  # noqa: E402  (the floor's default, documented there)
 
 # The policy losses (training/losses.py implements each): named here, where no MLX is loaded.
@@ -31,8 +30,7 @@ class Section(BaseModel):
 
 
 def _int_text(v):
-    """'8' -> 8 for the bit widths (environment variables are text; Literal[4, 8] wants ints);
-    anything else as it is: the Literal check then says which values are allowed."""
+    """'8' -> 8 for the bit widths (env values are text); else as is, for Literal's message."""
     return int(v) if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit() else v
 
 
@@ -108,8 +106,8 @@ class ModelSettings(Section):
         "auto", description="a quantized GGUF model's weights: auto dequantizes to float32 on "
         "the CPU backend (several times faster there) and keeps them quantized on Metal")
     adapter: str | None = Field(
-        None, description="adapter directory to start from, mlx-lm's layout (e.g. a checkpoint "
-        "step_*) or Hugging Face PEFT's (default: none, a fresh adapter)")
+        None, description="adapter folder to serve and train from, mlx-lm's layout (a checkpoint "
+        "step_*) or PEFT's; `base`: none (default: the data dir's newest checkpoint, else none)")
     lora_rank: int = Field(8, ge=1, description="LoRA rank")
     lora_scale: float = Field(20.0, gt=0, description="LoRA scale (mlx-lm's alpha)")
     lora_layers: int = Field(-1, description="LoRA on the last N blocks; -1 means all")
@@ -335,9 +333,9 @@ class TrainerSettings(Section):
 
 
 class RecordSettings(Section):
-    data_dir: Path = Field(
-        Path.home() / ".rlproxy", description="where records, checkpoints, stored responses "
-        "and the prefix cache go")
+    data_dir: Path | None = Field(
+        None, description="where records, checkpoints, stored responses and the prefix cache "
+        "go (default: ~/.rlproxy/<model>/, one per --model)")
     fsync: bool = Field(
         True, description="fsync every record line, so an acknowledged turn survives power "
         "loss too (off: faster; a power cut may lose the last lines)")
@@ -421,7 +419,9 @@ class Settings(Section):
 
     @model_validator(mode="after")
     def _remote_fits(self):
-        """What a learner or sampler elsewhere cannot do (the Tinker API has no such terms)."""
+        """The model's default data dir; what a learner or sampler elsewhere cannot do."""
+        if self.records.data_dir is None:
+            self.records.data_dir = default_data_dir(self.model.model)
         r, t = self.remote, self.trainer
         if r.trainer == "tinker" and t.train:
             for name, value in (("kl_coef", t.kl_coef), ("entropy_coef", t.entropy_coef)):

@@ -265,7 +265,7 @@ def test_help_shows_every_setting_with_its_default(capsys):
         main(["serve", "--help"])
     flat = " ".join(capsys.readouterr().out.split())
     for expected in ("--port N port to listen on (0 picks a free one) (default: 8000)",
-                     "--train, --no-train", "--kv-bits {4,8}", "(default: ~/.rlproxy)",
+                     "--train, --no-train", "--kv-bits {4,8}", "(default: ~/.rlproxy/<model>/, one per --model)",
                      "--learning-rate NUM AdamW learning rate (default: 1e-05)",
                      "--max-queued-requests N", "--lr-schedule {constant,cosine,linear}"):
         assert expected in flat, expected

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.api.edge import json_response
-from rlproxy.appkeys import ENGINE, MODEL, SETTINGS, TRAINER
+from rlproxy.appkeys import ENGINE, MODEL, SETTINGS, STARTED, TRAINER
 from rlproxy.paths import complete_checkpoints, kept_checkpoint
 from rlproxy.protocol import APIError, shown
 from rlproxy.records import JsonlWriter, read_jsonl
@@ -176,6 +176,62 @@ def recorded_version(app: web.Application) -> int:
     return max((v for v in versions if isinstance(v, int)), default=0)
 
 
+async def save_checkpoint(request: web.Request) -> web.Response:
+    """A checkpoint of the adapter served now, written on demand (`rlproxy export` against a
+    running server, the dashboard's button): the save interval does not decide when a user
+    can take their adapter. With training off, the checkpoint already served is named."""
+    app = request.app
+    engine, trainer = app[ENGINE], app.get(TRAINER)
+    if trainer is None:
+        path = served_checkpoint(app)
+        if path is None:
+            raise APIError(409, "this server serves the base model, no adapter (--no-train with "
+                           "no checkpoint in its data dir, or --adapter base): nothing to save",
+                           code="nothing_trained")
+        state = read_state(path)
+        return json_response({"object": "checkpoint", "step": state.get("step"),
+                              "adapter_version": int(engine.adapter_version), "path": str(path),
+                              "served_version": int(engine.adapter_version)})
+    if trainer.step == 0:
+        raise APIError(409, "no optimizer step yet: the served adapter is still the base "
+                       "model's (the dashboard and `rlproxy status` say how many turns the "
+                       "first step waits for)", code="nothing_trained")
+    if not trainer.alive:
+        raise APIError(503, f"the trainer is not running: {trainer.error}", type="server_error")
+    future = trainer.request_save()
+    try:  # the step in progress finishes first
+        line = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                      ROLLBACK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(503, f"the trainer did not save within {ROLLBACK_TIMEOUT_S:.0f} s (a long "
+                       "step in progress); try again", type="server_error") from None
+    except Exception as e:  # a full disk, a learner elsewhere that is away
+        raise APIError(503, f"the checkpoint could not be saved: {type(e).__name__}: {e}",
+                       type="server_error") from None
+    return json_response({"object": "checkpoint", **line,
+                          "served_version": int(engine.adapter_version)})
+
+
+def served_checkpoint(app: web.Application) -> Path | None:
+    """With training off: the checkpoint the engine serves, the last one an operator served
+    (training.jsonl's last `rollback` line with training off), else --adapter's; None: the base."""
+    lines = [ln for ln in read_jsonl(app[SETTINGS].records.data_dir / paths.TRAINING)
+             if ln.get("kind") == "rollback" and ln.get("training") is False
+             and ln.get("time", 0) >= app[STARTED]]
+    if lines and Path(lines[-1]["checkpoint"]).is_dir():
+        return Path(lines[-1]["checkpoint"])
+    adapter = app[SETTINGS].model.adapter
+    return Path(adapter) if adapter else None
+
+
+def read_state(path: Path) -> dict:
+    try:
+        state = json.loads((path / paths.TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
 def the_trainer(app: web.Application):
     trainer = app.get(TRAINER)
     if trainer is None:
@@ -270,6 +326,7 @@ def add_routes(app: web.Application) -> None:
         app.router.add_post(prefix + "/adapters/{step}/serve", serve_adapter)
         app.router.add_post(prefix + "/training/pause", pause_training)
         app.router.add_post(prefix + "/training/resume", resume_training)
+        app.router.add_post(prefix + "/checkpoints", save_checkpoint)
     # before the .zip route, whose {step} would take "3.peft" (and answer 400)
     app.router.add_get("/ui/api/adapters/{step}.peft.zip", download_peft)
     app.router.add_get("/ui/api/adapters/{step}.zip", download)

@@ -47,6 +47,10 @@ def health(app: web.Application, blas: str) -> tuple[dict, int]:
         "model_source": {"path": model.source, "origin": model.origin},
         "served_model_names": served_names(app),
         "adapter_version": int(engine.adapter_version),
+        # the folder served from the start (--adapter, or with --no-train the data dir's
+        # newest checkpoint); None: a fresh adapter, i.e. the base model until a step
+        "adapter": app[SETTINGS].model.adapter,
+        "data_dir": str(app[SETTINGS].records.data_dir),
         "blas": blas,
         "context_length": model.context_length,
         "engine": engine.health(),

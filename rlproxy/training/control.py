@@ -287,10 +287,40 @@ class Control:
         self.inbox.put(None)  # wakes _collect: an idle trainer does it at once
         return future
 
+    def request_save(self) -> Future:
+        """Ask the trainer thread for a checkpoint of its adapter now (`rlproxy export`, the
+        dashboard's button); a Future of {step, adapter_version, path}. A step already saved
+        is not written again."""
+        future: Future = Future()
+        with self._lock:
+            self._save_requests.append(future)
+        self.inbox.put(None)  # wakes _collect, as a rollback does
+        return future
+
+    def _save_now(self) -> None:
+        with self._lock:
+            requests, self._save_requests = self._save_requests, []
+        requests = [f for f in requests if f.set_running_or_notify_cancel()]
+        if not requests:
+            return
+        try:
+            path = kept_checkpoint(self.learner.checkpoints, self.step)
+            if path is None or self._saved_step != self.step:
+                path = self.save()
+            result = {"step": self.step, "adapter_version": self.version, "path": str(path)}
+        except Exception as e:
+            log.exception("checkpoint asked for could not be saved")
+            for future in requests:
+                future.set_exception(e)
+            return
+        for future in requests:
+            future.set_result(result)
+
     def _control(self) -> None:
         """Between batches, on the trainer thread: do a requested rollback; wait while paused
         (a batch collected meanwhile is trained after resume, not lost)."""
         while True:
+            self._save_now()
             with self._lock:
                 request, self._rollback_request = self._rollback_request, None
             # a request withdrawn by its waiter after its timeout (api/admin.py) is dropped

@@ -1,6 +1,8 @@
 """`rlproxy export`: a learned adapter written for other tools.
 
-The source is a data dir's newest checkpoint (or `--step N`) or an adapter folder in mlx-lm's or
+The source is the adapter a running server serves now (a checkpoint it writes on demand:
+`POST /v1/checkpoints`; the server on `--data-dir` is found by its lock, or named by `--url`),
+else a data dir's newest checkpoint (or `--step N`), or an adapter folder in mlx-lm's or
 PEFT's layout (`--adapter`); the base model is `--model`, else the one the checkpoint was
 trained on. Four formats:
 - peft: `adapter_model.safetensors` + `adapter_config.json` as Hugging Face PEFT writes them, for
@@ -20,6 +22,7 @@ This module writes files only; it serves and trains nothing.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import tempfile
@@ -28,7 +31,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from rlproxy.paths import CHECKPOINTS, TRAINER_STATE, complete_checkpoints, kept_checkpoint
+from rlproxy.paths import (CHECKPOINTS, TRAINER_STATE, complete_checkpoints, kept_checkpoint,
+                           serving_url)
 from rlproxy.serving import peft
 from rlproxy.settings import load_settings
 
@@ -43,11 +47,11 @@ class ExportError(ValueError):
 
 
 def export_cmd(args: Namespace) -> int:
-    folder, trained = adapter_source(args)
-    model = args.model or trained.get("model") or load_settings({}).model.model
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not an empty folder: name a new one")
+    folder, trained = adapter_source(args)
+    model = args.model or trained.get("model") or load_settings({}).model.model
     written = export(folder, model, args.format, out,
                      context_length=args.context_length or trained.get("context_length"))
     print(f"{args.format} export of {folder} (base {model}) written to {written}")
@@ -65,8 +69,12 @@ def adapter_source(args: Namespace) -> tuple[Path, dict]:
         if not folder.is_dir():
             raise ExportError(f"--adapter {folder}: no such folder")
         return folder, {}
-    data_dir = load_settings({"data_dir": args.data_dir}).records.data_dir
+    data_dir = load_settings({"data_dir": args.data_dir, "model": args.model}).records.data_dir
     root = data_dir / CHECKPOINTS
+    url = args.url or serving_url(data_dir)
+    if args.step is None and url:  # a server is running: the adapter it serves now
+        folder = Path(checkpoint_now(url, args.api_key or os.environ.get("RLPROXY_API_KEY")))
+        return folder, trained_settings(folder)
     kept = complete_checkpoints(root)
     if args.step is not None:
         folder = kept_checkpoint(root, args.step)
@@ -76,13 +84,47 @@ def adapter_source(args: Namespace) -> tuple[Path, dict]:
     elif kept:
         folder = kept[-1]
     else:
-        raise ExportError(f"no checkpoint in {root}: train first, or name an adapter folder "
-                          "with --adapter")
+        raise ExportError(f"no checkpoint in {root}, and no server running on it: nothing has "
+                          "been trained there yet (with the server running, export asks it "
+                          "for the adapter it serves; or name a folder with --adapter)")
+    return folder, trained_settings(folder)
+
+
+def trained_settings(folder: Path) -> dict:
+    """The model settings a checkpoint was trained with (`model`, `context_length`), or {}."""
     try:
         trained = json.loads((folder / TRAINER_STATE).read_text())["settings"]["model"]
     except (OSError, ValueError, KeyError, TypeError):
         trained = {}
-    return folder, trained if isinstance(trained, dict) else {}
+    return trained if isinstance(trained, dict) else {}
+
+
+def checkpoint_now(url: str, api_key: str | None) -> str:
+    """Ask the server at URL to checkpoint the adapter it serves now (`POST /v1/checkpoints`);
+    the folder it wrote. ExportError, one line, when it cannot."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url.rstrip("/") + "/v1/checkpoints", data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {api_key}"}
+                                             if api_key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=330) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {e.code}"
+        raise ExportError(f"the server at {url} did not write a checkpoint: {message}") from None
+    except (OSError, ValueError) as e:
+        raise ExportError(f"the server at {url} did not answer ({e}); stop it and export "
+                          "its newest checkpoint, or try again") from None
+    print(f"the server at {url} wrote checkpoint {body['path']} (step {body['step']}, adapter "
+          f"version {body['adapter_version']}; it serves version {body['served_version']})",
+          file=sys.stderr)
+    return body["path"]
 
 
 def export(folder: Path, model: str, fmt: str, out: Path, dequantize: str = "auto",

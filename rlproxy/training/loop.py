@@ -36,6 +36,7 @@ import math
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -124,6 +125,7 @@ class Trainer(Control, RemoteSync):
         self.error: str | None = None
         self.paused = False  # set from any thread; the loop waits in _control between batches
         self._rollback_request = None  # (checkpoint dir, Future), done on the trainer thread
+        self._save_requests: list[Future] = []  # checkpoints asked for now (request_save)
         self.stats = TrainerStats()
         self.writer = JsonlWriter(self.data_dir / TRAINING, fsync=settings.records.fsync,
                                   stamp={"backend": "tinker"} if self.remote else None)
