@@ -250,8 +250,9 @@ def read_records(data_dir, name="conversations.jsonl") -> list[dict]:
 
 @contextlib.contextmanager
 def dashboard_page(url: str):
-    """A page of Debian's Chromium (driven by Playwright) at URL, and the list its page errors
-    go to; the test is skipped where either is missing."""
+    """A page of Debian's Chromium (driven by Playwright) at URL, once the page says its data is
+    drawn (app.js's `<body data-state="loaded">`), and the list its page errors go to; the test
+    is skipped where either is missing."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     if not Path("/usr/bin/chromium").exists():
         pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
@@ -262,6 +263,7 @@ def dashboard_page(url: str):
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(url)
+            page.wait_for_function("document.body.dataset.state === 'loaded'")
             yield page, errors
         finally:
             browser.close()

@@ -1,21 +1,28 @@
 """"Is it learning?" at a glance: the eval gate's held-out reward, the judge's health and why the
 trainer waits, in `rlproxy status` (ops/status.py) and on the dashboard (/ui/api/overview and the
 page in a real browser). Real servers on the tiny model: real turns, the real eval gate every
-step, a real local judge; `render` is also checked on the real answers with figures changed."""
+step, a real local judge; `render` is also checked on the real answers with figures changed.
+Then what the page shows in its first hour: the data when it says it is loaded, the trainer's
+true state, empty charts that say so, whole step ticks without repeats, the loss terms that are
+off said to be off, and the "Save checkpoint now" button."""
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 import requests
 
 from conftest import dashboard_page, ServerThread, make_settings, read_records
-from demo_agent import run_sessions, wait_for_steps
+from demo_agent import run_sessions, training_settings, wait_for_steps
+from rlproxy import paths
 from rlproxy.demo import run as demo
 from rlproxy.ops.status import HELD_OUT_OFF, render, status_cmd
 from rlproxy.ops.ui.index import eval_entry
@@ -98,8 +105,9 @@ def test_the_overview_carries_the_eval_series_and_the_judge_figures(gated):
     assert scoring["judge"]["released"] == health["scoring"]["released"] == 10
     t = overview["trainer"]
     assert (t["untrained"], t["batch_size"], t["eval_every"]) == (2, 4, 1)
-    assert t["state"] == "waiting for turns"
-    assert t["waiting"] == "waiting for turns: 2 of 4 released turns for the next step"
+    assert (t["state"], t["state_text"]) == ("waiting", "waiting for 2 more turns")
+    assert t["waiting"] == "waiting for 2 more turns: 2 of 4 released turns for the next step"
+    assert (t["kl_coef"], t["entropy_coef"]) == (0.0, 0.0)
 
 
 def test_status_says_held_out_judge_and_why_the_trainer_waits(gated, capsys):
@@ -110,7 +118,7 @@ def test_status_says_held_out_judge_and_why_the_trainer_waits(gated, capsys):
             f"eval {first['candidate']['reward']:+.2f} at step {first['step']}; 2 evals"
             f"{f', {refused} refused' if refused else ''})") in lines, lines
     assert "judge     off (rewards come from reward functions and feedback)" in lines
-    i = lines.index("trainer   waiting for turns: 2 of 4 released turns for the next step")
+    i = lines.index("trainer   waiting for 2 more turns: 2 of 4 released turns for the next step")
     t = healthz(gated.url)["trainer"]  # a gate's rollback is a step of its own
     assert lines[i + 1] == (f"          step {t['step']}, 8 turns trained, 2 to train, 0 skipped, "
                             "0 quarantined")
@@ -155,8 +163,15 @@ def test_render_on_the_real_answers_with_other_figures(gated):
         evals=[eval_entry(gate_lines[1])])
 
     waiting = screen({"pending": 3}, {"untrained": 5, "batch_size": 8})
-    assert ("trainer   waiting for turns: 5 of 8 released turns for the next step; scoring is "
-            "the bottleneck: 3 turns not scored yet") in waiting
+    assert ("trainer   waiting for 3 more turns: 5 of 8 released turns for the next step; "
+            "scoring is the bottleneck: 3 turns not scored yet") in waiting
+    assert ("trainer   waiting for 1 more turn: 3 of 4 released turns for the next step"
+            in screen({"pending": 0}, {"untrained": 3, "batch_size": 4}))
+    assert ("trainer   waiting for 4 more turns: 0 of 4 released turns for the next step; "
+            "scoring is the bottleneck: 1 turn not scored yet") in screen(
+        {"pending": 1}, {"untrained": 0, "batch_size": 4})
+    idle = screen({"pending": 0}, {"untrained": 0, "batch_size": 4})
+    assert any(ln.startswith("trainer   idle; step ") for ln in idle), idle
     training = screen(trainer={"untrained": 8, "batch_size": 8})
     assert not any("waiting" in ln for ln in training if ln.startswith("trainer"))
     assert any(ln.startswith("trainer   training; step ") for ln in training)
@@ -174,13 +189,75 @@ def test_the_learning_panels_in_a_real_browser(gated, tmp_path):
             not e["passed"] for e in evals)
         assert page.locator("#chart-heldout polyline").count() == 2  # candidate, served
         assert page.locator("#trainer-waiting").inner_text() == (
-            "waiting for turns: 2 of 4 released turns for the next step")
+            "waiting for 2 more turns: 2 of 4 released turns for the next step")
         header = page.locator("#status").inner_text()
-        assert "trainer waiting for turns" in header and "training" not in header
+        assert header.endswith("trainer waiting for 2 more turns")
         judge = page.locator("#judge").inner_text()
         assert "off: rewards come from reward functions and feedback" in judge
         assert "10 turns released to training" in judge
         page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
+    assert errors == []
+
+
+# what the page holds the moment it says "loaded": read at once, in one evaluation
+SNAPSHOT = """() => {
+  const counter = label => [...document.querySelectorAll('#counters .counter')]
+    .find(c => c.querySelector('span').textContent === label);
+  return {state: document.body.dataset.state,
+          header: document.getElementById('status').textContent,
+          step: counter('trainer step')?.querySelector('b').textContent ?? null,
+          reward_dots: document.querySelectorAll('svg#chart-reward circle.pt').length,
+          held_out_dots: document.querySelectorAll('svg#chart-heldout circle.pt').length,
+          loss_lines: document.querySelectorAll('svg#chart-loss polyline').length};
+}"""
+TICKS = """() => Object.fromEntries([...document.querySelectorAll('svg[id^=chart-]')].map(s =>
+  [s.id, {x: [...s.querySelectorAll('text.xtick')].map(t => t.textContent),
+          y: [...s.querySelectorAll('text.ytick')].map(t => t.textContent)}]))"""
+STEP_CHARTS = ("chart-reward", "chart-heldout", "chart-loss")
+
+
+def check_ticks(charts: dict) -> None:
+    """Every axis's labels increase (so none repeats); on an axis of steps they are whole."""
+    assert charts
+    for chart, axes in charts.items():
+        for axis, labels in axes.items():
+            values = [float(v) for v in labels]
+            assert values and values == sorted(set(values)), (chart, axis, labels)
+        if chart in STEP_CHARTS:
+            assert all(re.fullmatch(r"-?[0-9]+", v) for v in axes["x"]), (chart, axes["x"])
+
+
+def test_the_page_says_loaded_only_once_its_data_is_drawn(gated, tmp_path):
+    """Four loads, each read the moment the page says it is loaded (`data-state`): the data is
+    in it. A screenshot taken at the load event came out blank one time in four (the data came
+    after the first paint); Chromium's own network emulation puts the data that late on every
+    load but the first, as a slower link to the server would."""
+    overview = requests.get(gated.url + "/ui/api/overview").json()
+    steps, t, evals = overview["steps"], overview["trainer"], overview["evals"]
+    assert len(steps) >= 2 and t["state_text"] == "waiting for 2 more turns"
+    with dashboard_page(gated.url + "/ui") as (page, errors):
+        link = page.context.new_cdp_session(page)
+        link.send("Network.enable")
+        for i, latency_ms in enumerate((0, 100, 200, 400)):
+            link.send("Network.emulateNetworkConditions", {
+                "offline": False, "latency": latency_ms, "downloadThroughput": -1,
+                "uploadThroughput": -1})
+            page.goto(gated.url + "/ui")  # returns at the load event
+            page.wait_for_function("document.body.dataset.state === 'loaded'")
+            assert page.evaluate(SNAPSHOT) == {
+                "state": "loaded", "step": str(t["step"]), "reward_dots": len(steps),
+                "held_out_dots": len(evals) + sum(not e["passed"] for e in evals),
+                "loss_lines": 1,  # KL and entropy off
+                "header": f"{overview['model']} · adapter v{overview['adapter_version']} · "
+                          "trainer waiting for 2 more turns"}, i
+            page.screenshot(path=str(tmp_path / f"load-{i}.png"), full_page=True)
+            assert (tmp_path / f"load-{i}.png").stat().st_size > 10_000
+        # the loss terms that are off (kl_coef, entropy_coef 0) are said to be, not drawn at 0
+        assert page.locator("#terms-off").inner_text() == (
+            "KL: off (--kl-coef 0) · entropy: off (--entropy-coef 0)")
+        assert page.locator(".card h3", has_text="Loss").inner_text() == "Loss"
+        check_ticks(page.evaluate(TICKS))
+        assert page.evaluate(TICKS)["chart-reward"]["x"] == [str(s["step"]) for s in steps]
     assert errors == []
 
 
@@ -191,11 +268,79 @@ def test_status_says_when_scoring_is_the_bottleneck(gated, capsys):
         run_sessions(gated.url, 5, 1)
         wait_until("2 turns held in scoring", lambda: healthz(gated.url)["scoring"]["pending"] == 2)
         lines = status_screen(gated.url, capsys)
-        assert ("trainer   waiting for turns: 2 of 4 released turns for the next step; scoring "
-                "is the bottleneck: 2 turns not scored yet") in lines
+        assert ("trainer   waiting for 2 more turns: 2 of 4 released turns for the next step; "
+                "scoring is the bottleneck: 2 turns not scored yet") in lines
     finally:
         SCORING_OPEN.set()
     wait_for_steps(gated.url, 3)
+
+
+def test_save_checkpoint_now_from_the_adapters_page(gated):
+    """Needs POST /ui/api/checkpoints (api/admin.py): it saves the adapter served now and answers
+    {"object": "checkpoint", "step", "adapter_version", "path"}; the page then links its .zip."""
+    last = wait_until("step 3's verdict", lambda: eval_lines(gated.data_dir)[2:][-1:])[0]
+    assert last["passed"]
+    served = last["candidate_version"]  # the gate publishes a passed candidate: wait for that
+    wait_until("step 3's adapter served", lambda: healthz(gated.url)["adapter_version"] == served)
+    with dashboard_page(gated.url + "/ui#/adapters") as (page, errors):
+        page.click("#save-checkpoint")
+        page.wait_for_selector("#saved")
+        said = page.locator("#saved").inner_text()
+        assert said.startswith("Saved step ") and f"(adapter v{served})" in said, said
+        href = page.locator("#saved-download").get_attribute("href")
+        step = int(re.fullmatch(r"/ui/api/adapters/([0-9]+)\.zip", href)[1])
+        page.wait_for_function(  # the table lists it at the next refresh
+            f"[...document.querySelectorAll('td:first-child')].some(td => td.textContent === "
+            f"'{step}')")
+    assert errors == []
+    kept = paths.kept_checkpoint(gated.data_dir / paths.CHECKPOINTS, step)
+    assert kept is not None
+    assert json.loads((kept / paths.TRAINER_STATE).read_text())["adapter_version"] == served
+    got = requests.get(gated.url + href)
+    assert got.status_code == 200 and got.headers["Content-Type"] == "application/zip"
+    with zipfile.ZipFile(io.BytesIO(got.content)) as z:
+        assert any(n.endswith("adapters.safetensors") for n in z.namelist())
+
+
+def test_idle_empty_charts_then_every_loss_term_drawn(tmp_path):
+    """A trainer with nothing to train is idle and its charts say there are no steps yet (no
+    axes, no ticks); after two steps with the KL penalty and the entropy bonus on, both are
+    drawn beside the loss on whole step ticks; paused says paused. Saving a checkpoint before
+    the first step fails, and the page says why."""
+    with ServerThread(training_settings(tmp_path, kl_coef=0.05, entropy_coef=0.01)) as s:
+        with dashboard_page(s.url + "/ui") as (page, errors):
+            assert page.locator("#status").inner_text().endswith(" · trainer idle")
+            for chart in ("#chart-reward", "#chart-loss"):
+                assert page.locator(chart).inner_text() == "no optimizer steps yet"
+            assert page.locator("svg#chart-reward, svg#chart-loss, #trainer-waiting").count() == 0
+            page.wait_for_selector("svg#chart-tps")  # 0 tokens/s: a flat line on a true axis
+            charts = page.evaluate(TICKS)
+            assert charts["chart-tps"]["y"][0] == "0.0"  # from 0: a rate is never below
+            check_ticks(charts)
+            page.goto(s.url + "/ui#/adapters")  # no step yet: nothing to save, and it says why
+            page.wait_for_function("document.body.dataset.loaded === '#/adapters'")
+            page.click("#save-checkpoint")
+            said = page.wait_for_selector("#saved.neg").inner_text()
+            assert said.startswith("Could not save a checkpoint: ") and len(said) > 40, said
+            assert page.locator("#saved-download").count() == 0
+        run_sessions(s.url, 0, 2)
+        wait_for_steps(s.url, 2)
+        steps = [ln["step"] for ln in read_records(tmp_path, "training.jsonl")
+                 if ln["kind"] == "step"]
+        with dashboard_page(s.url + "/ui") as (page, more_errors):
+            loss = page.locator(".card", has=page.locator("svg#chart-loss"))
+            assert loss.locator("h3").inner_text() == "Loss, KL and entropy"
+            assert [line.get_attribute("data-name") for line in
+                    loss.locator("polyline").all()] == ["loss", "KL", "entropy"]
+            assert page.locator("#terms-off").count() == 0
+            charts = page.evaluate(TICKS)
+            check_ticks(charts)
+            assert charts["chart-reward"]["x"] == charts["chart-loss"]["x"] == [
+                str(n) for n in steps]
+            assert requests.post(s.url + "/v1/training/pause").status_code == 200
+            page.wait_for_function("document.getElementById('status').textContent"
+                                   ".endsWith(' · trainer paused')")
+    assert errors == more_errors == []
 
 
 # ---- a real local judge (the tiny model, log-prob verdicts) ----

@@ -113,7 +113,7 @@ def test_the_dashboard_and_the_actions_need_the_key(keyed):
     assert cookie == KEY and "httponly" in signed.headers["Set-Cookie"].lower()
     assert browser.get(url + "/ui").status_code == 200
     assert browser.get(url + "/ui/api/overview").json()["trainer"] == {
-        "enabled": False, "state": "off", "waiting": None}
+        "enabled": False, "state": "off", "state_text": "off", "waiting": None}
     assert browser.get(url + "/v1/models").status_code == 401  # the cookie is for /ui only
     # the cookie alone does not make an action: a form on another port of this host sends it
     for headers in ({}, {"Origin": "http://127.0.0.1:1"}, {"Sec-Fetch-Site": "same-site"}):
@@ -380,12 +380,11 @@ def test_the_dashboard_in_a_real_browser(trained, tmp_path):
             assert held_out.inner_text().startswith("no evaluations yet: --eval-every N")
             assert page.locator("svg#chart-heldout").count() == 0
             assert "off: rewards come from reward functions" in page.locator("#judge").inner_text()
-            # every released turn trained: the trainer waits for turns, and the header says so
-            page.wait_for_selector("#trainer-waiting")
-            assert page.locator("#trainer-waiting").inner_text() == (
-                "waiting for turns: 0 of 2 released turns for the next step")
-            header = page.locator("#status").inner_text()
-            assert "trainer waiting for turns" in header and "training" not in header
+            # every released turn trained (its step's books settle after its line), none being
+            # scored: idle, and the header says so
+            page.wait_for_function("document.getElementById('status').textContent"
+                                   ".endsWith(' · trainer idle')")
+            assert page.locator("#trainer-waiting").count() == 0
             page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
 
             page.goto(url + "/ui#/session/demo-00000")
@@ -424,8 +423,7 @@ def test_status_shows_one_screen(trained, capsys):
     lines = out.splitlines()
     assert len(lines) <= 24
     assert "model rlproxy-embedded-tiny" in lines[0] and "adapter v" in lines[0]
-    i = lines.index("trainer   waiting for turns: 0 of 2 released turns for the next step")
-    assert lines[i + 1].startswith("          step ")
+    assert any(ln.startswith("trainer   idle; step ") for ln in lines), lines
     assert "judge     off (rewards come from reward functions and feedback)" in lines
     assert ("held-out  off: --eval-every N with --eval-prompts FILE and --eval-reward-functions "
             "module:fn") in lines

@@ -14,6 +14,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
+from typing import Literal
 
 LAST_STEPS = 8
 
@@ -44,27 +46,39 @@ def share(x: float | None) -> str:
     return "" if x is None else f" ({x:.0%})"
 
 
-def trainer_state(t: dict, scoring: dict) -> tuple[str, str | None]:
-    """(the trainer's state: off, paused, error, stopped, waiting for turns or training; the
-    sentence that says what it waits for, or None). T: /healthz's "trainer" (with
-    `untrained` and `batch_size`), SCORING: its "scoring". Training means a batch is there: the
-    released turns not trained yet (those of a step under way included) fill one."""
+@dataclass(frozen=True)
+class TrainerState:
+    """What the trainer is doing. KIND: off, paused, error, stopped, idle (nothing released to
+    train, nothing being scored), waiting (some turns, not a batch yet) or training (a batch is
+    there); WORDS: what the dashboard's header says ("waiting for 2 more turns"); WHY: the
+    sentence that says what it waits for, or None."""
+
+    kind: Literal["off", "paused", "error", "stopped", "idle", "waiting", "training"]
+    words: str
+    why: str | None = None
+
+
+def trainer_state(t: dict, scoring: dict) -> TrainerState:
+    """T: /healthz's "trainer" (with `untrained` and `batch_size`), SCORING: its "scoring".
+    Training means a batch is there: the released turns not trained yet (those of a step under
+    way included) fill one."""
     if not t.get("enabled"):
-        return "off", None
-    if t.get("paused"):
-        return "paused", None
-    if t.get("error"):
-        return "error", None
+        return TrainerState("off", "off")
+    for kind in ("paused", "error"):
+        if t.get(kind):
+            return TrainerState(kind, kind)
     if not t["alive"]:
-        return "stopped", None
-    if t["untrained"] >= t["batch_size"]:
-        return "training", None
-    why = (f"waiting for turns: {t['untrained']} of {t['batch_size']} released turns for the "
-           "next step")
-    if scoring["pending"]:
-        why += (f"; scoring is the bottleneck: {plural(scoring['pending'], 'turn')} not "
-                "scored yet")
-    return "waiting for turns", why
+        return TrainerState("stopped", "stopped")
+    have, need, scoring_now = t["untrained"], t["batch_size"], scoring["pending"]
+    if have >= need:
+        return TrainerState("training", "training")
+    if have == 0 and not scoring_now:
+        return TrainerState("idle", "idle")
+    words = f"waiting for {plural(need - have, 'more turn')}"
+    why = f"{words}: {have} of {need} released turns for the next step"
+    if scoring_now:
+        why += f"; scoring is the bottleneck: {plural(scoring_now, 'turn')} not scored yet"
+    return TrainerState("waiting", words, why)
 
 
 def judge_lines(s: dict) -> list[str]:
@@ -122,17 +136,17 @@ def render(health: dict, overview: dict | None) -> str:
     lines.append(f"scoring   {s['method']}: {s['scored']} scored, {s['released']} released, "
                  f"{s['pending']} pending, {s['waiting']} waiting out a judge outage")
     lines += judge_lines(s)
-    state, waiting = trainer_state(t, s)
-    if state == "off":
+    state = trainer_state(t, s)
+    if state.kind == "off":
         lines.append("trainer   off (--no-train)")
     else:
         figures = (f"step {t['step']}, {t['turns_trained']} turns trained, {t['untrained']} to "
                    f"train, {t['skipped']} skipped, {t['quarantined']} quarantined")
-        if waiting:
-            lines += [f"trainer   {waiting}", f"          {figures}"]
+        if state.why:
+            lines += [f"trainer   {state.why}", f"          {figures}"]
         else:
-            lines.append(f"trainer   {'error: ' + t['error'] if t.get('error') else state}; "
-                         f"{figures}")
+            lines.append(f"trainer   {'error: ' + t['error'] if t.get('error') else state.words}"
+                         f"; {figures}")
     if overview is not None:
         lines.append(held_out_line(overview["evals"], overview["trainer"].get("eval_every")))
         today = overview["today"]

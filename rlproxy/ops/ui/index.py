@@ -168,7 +168,7 @@ class RecordIndex:
         if kind == "step":
             at = r.get("time")
             self.steps.append({k: r.get(k) for k in (
-                "step", "adapter_version", "loss", "kl", "reward_mean", "reward_std",
+                "step", "adapter_version", "loss", "kl", "entropy", "reward_mean", "reward_std",
                 "grad_norm", "tokens", "turns", "step_time_s", "time")})
             for uid in r.get("uids") or ():
                 self.trained[uid] = (r.get("step"), at)

@@ -5,8 +5,8 @@ Every value goes out as JSON and the pages insert it as text (app.js never uses 
 data), so recorded agent content cannot run in the browser. Reads the records only through the
 incremental index, and live state from what the app's components report (their stats and
 `health()`, by the keys in appkeys.py: none of them is imported). Changes nothing: the actions
-(`/ui/api/adapters/{step}/serve`, `/ui/api/training/*`) and a checkpoint's download are
-api/admin.py's, which mounts them.
+(`/ui/api/adapters/{step}/serve`, `/ui/api/training/*`, `/ui/api/checkpoints`) and a
+checkpoint's download are api/admin.py's, which mounts them.
 """
 
 from __future__ import annotations
@@ -152,18 +152,20 @@ async def overview(request: web.Request) -> web.Response:
 
 def trainer_state(app: web.Application) -> dict:
     """/healthz's "trainer" without the journal's figures, in the pages' order, with its state
-    in words (status.py's, so the dashboard and `rlproxy status` say the same) and the eval
-    gate's period."""
+    (status.py's kind and words, so the dashboard and `rlproxy status` say the same), the eval
+    gate's period and the loss's optional terms (a coefficient of 0: the page says "off")."""
     trainer = app.get(TRAINER)
     if trainer is None:
-        return {"enabled": False, "state": "off", "waiting": None}
-    t = trainer_health(app)
-    state, waiting = status.trainer_state(t, app[SCORER].health())
+        return {"enabled": False, "state": "off", "state_text": "off", "waiting": None}
+    t, settings = trainer_health(app), app[SETTINGS].trainer
+    state = status.trainer_state(t, app[SCORER].health())
     remote = {k: t[k] for k in ("url", "run", "remote_step", "sync_error") if k in t}
-    return {"enabled": True, "state": state, "waiting": waiting, "alive": t["alive"],
-            "error": t["error"], "paused": t["paused"], "step": t["step"],
-            "queued": t["queued"], "untrained": t["untrained"], "batch_size": t["batch_size"],
-            "eval_every": app[SETTINGS].trainer.eval_every, "backend": t["backend"], **remote,
+    return {"enabled": True, "state": state.kind, "state_text": state.words,
+            "waiting": state.why, "alive": t["alive"], "error": t["error"],
+            "paused": t["paused"], "step": t["step"], "queued": t["queued"],
+            "untrained": t["untrained"], "batch_size": t["batch_size"],
+            "eval_every": settings.eval_every, "kl_coef": settings.kl_coef,
+            "entropy_coef": settings.entropy_coef, "backend": t["backend"], **remote,
             **dataclasses.asdict(trainer.stats)}
 
 
@@ -287,7 +289,8 @@ async def adapters(request: web.Request) -> web.Response:
     with index.lock:
         steps, events = list(index.steps), list(index.events[-50:])
     rows = await asyncio.get_running_loop().run_in_executor(None, checkpoint_rows, app, steps)
-    return json_response({"checkpoints": rows, "served_version": int(app[ENGINE].adapter_version),
+    return json_response({"model": app[MODEL].model_id, "checkpoints": rows,
+                          "served_version": int(app[ENGINE].adapter_version),
                           "trainer": trainer_state(app), "events": events})
 
 

@@ -5,6 +5,8 @@
 
 const view = document.getElementById("view");
 let timer = null;
+let routed = 0;  // route() calls so far: a page fetched for an earlier one is not shown
+let shown = null;  // the hash whose page the view shows
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -30,8 +32,11 @@ async function api(path, options) {
   const r = await fetch(path, Object.assign(
     {credentials: "same-origin", headers: {"X-RLProxy-UI": "1"}}, options || {}));
   if (r.status === 401) { location.href = "/ui/login"; throw new Error("not signed in"); }
-  const body = await r.json();
-  if (!r.ok) throw new Error((body.error && body.error.message) || r.statusText);
+  const body = await r.json().catch(() => null);  // e.g. a plain-text 404 or a proxy's page
+  if (!r.ok || body === null) {
+    throw new Error((body && body.error && body.error.message) ||
+                    `${path} answered ${r.status} ${r.statusText}`);
+  }
   return body;
 }
 
@@ -42,41 +47,63 @@ const when = (t) => t ? new Date(t * 1000).toLocaleString() : "–";
 
 // ---- charts: SVG drawn here ----
 
+// Ticks at a round step (1, 2 or 5 times a power of ten) inside [lo, hi], each label once, with
+// as many decimals as the step needs; on a whole axis (optimizer steps) whole numbers only.
+function ticks(lo, hi, whole, count = 4) {
+  const raw = (hi - lo) / count, power = 10 ** Math.floor(Math.log10(raw));
+  const f = raw / power;
+  let step = (f >= 7.07 ? 10 : f >= 3.16 ? 5 : f >= 1.41 ? 2 : 1) * power;
+  if (whole) step = Math.max(1, Math.round(step));
+  const digits = whole ? 0 : Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+  const values = [];
+  for (let k = Math.ceil(lo / step - 1e-9); k * step <= hi + step * 1e-9; k++) {
+    values.push(k * step);
+  }
+  return {step, values, label: x => x.toFixed(digits).replace(/^-(0\.?0*)$/, "$1")};
+}
+
 function lineChart(title, id, series, opts = {}) {
   // opts.marks: [{x, label}] drawn as dashed red vertical lines (the eval gate's rollbacks);
-  // opts.empty: what the card says when there is nothing to draw (no bare axes)
+  // opts.empty: what the card says when there is nothing to draw (no bare axes);
+  // opts.xwhole: false for a real-valued x axis; opts.xspan: [a, b] the x axis covers at least;
+  // opts.ymin / ymax: fixed ends of the y axis; opts.note: a line under the title
   const w = 440, h = 200, l = 48, r = 14, t = 22, b = 36;
-  const all = series.flatMap(s => s.pts).filter(p => p[1] !== null && isFinite(p[1]));
+  const finite = p => p[1] !== null && p[1] !== undefined && isFinite(p[1]);
+  const all = series.flatMap(s => s.pts).filter(finite);
   const marks = opts.marks || [];
+  const head = [el("h3", {}, title), opts.note || null];
   if (!all.length && !marks.length) {
-    return el("div", {class: "card"}, el("h3", {}, title),
+    return el("div", {class: "card"}, ...head,
               el("p", {class: "empty", id}, opts.empty || "no data yet"));
   }
-  const xs = all.map(p => p[0]).concat(marks.map(m => m.x));
-  const box = svg("svg", {id, width: "100%", viewBox: `0 0 ${w} ${h}`});
+  const whole = opts.xwhole ?? true;
+  const xs = all.map(p => p[0]).concat(marks.map(m => m.x), opts.xspan || []);
   let x0 = Math.min(...xs), x1 = Math.max(...xs);
-  let y0 = opts.ymin ?? Math.min(...all.map(p => p[1]));
-  let y1 = opts.ymax ?? Math.max(...all.map(p => p[1]));
-  if (!all.length) { y0 = opts.ymin ?? 0; y1 = opts.ymax ?? 1; }
-  if (!xs.length) { x0 = 0; x1 = 1; }
-  if (x1 === x0) x1 = x0 + 1;
-  if (y1 === y0) { y1 += 1; y0 -= 1; }
+  if (x1 === x0) { x0 -= 0.5; x1 += 0.5; }  // one step: in the middle, under its own tick
+  const ys = all.length ? all.map(p => p[1]) : [0];
+  let y0 = opts.ymin ?? Math.min(...ys), y1 = opts.ymax ?? Math.max(...ys);
+  if (y1 === y0) {  // a flat line: widen on the free side(s)
+    const pad = Math.abs(y0) / 2 || 1;
+    if (opts.ymin === undefined) y0 -= pad;
+    if (opts.ymax === undefined || opts.ymin !== undefined) y1 += pad;
+  }
+  let yt = ticks(y0, y1, false);
+  if (opts.ymin === undefined) y0 = Math.floor(y0 / yt.step + 1e-9) * yt.step;  // to the grid
+  if (opts.ymax === undefined) y1 = Math.ceil(y1 / yt.step - 1e-9) * yt.step;
+  yt = ticks(y0, y1, false);
   const X = x => l + (w - l - r) * (x - x0) / (x1 - x0);
   const Y = y => t + (h - t - b) * (1 - (y - y0) / (y1 - y0));
-  for (let i = 0; i <= 4; i++) {
-    const y = y0 + (y1 - y0) * i / 4;
+  const box = svg("svg", {id, width: "100%", viewBox: `0 0 ${w} ${h}`});
+  for (const y of yt.values) {
     box.append(svg("line", {x1: l, x2: w - r, y1: Y(y), y2: Y(y), stroke: "#eee"}));
-    const label = svg("text", {x: l - 4, y: Y(y) + 4, "text-anchor": "end"});
-    label.textContent = fmt(y, 2);
+    const label = svg("text", {x: l - 4, y: Y(y) + 4, "text-anchor": "end", class: "ytick"});
+    label.textContent = yt.label(y);
     box.append(label);
   }
-  const digits = opts.xdigits ?? 0;
-  // a whole-number axis (steps) ticks whole numbers: steps 1..2 get "1 2", not "1 1 2 2 2"
-  const ticks = new Set([0, 1, 2, 3, 4].map(i => x0 + (x1 - x0) * i / 4)
-    .map(x => digits ? x : Math.round(x)));
-  for (const x of ticks) {
-    const tick = svg("text", {x: X(x), y: h - b + 14, "text-anchor": "middle"});
-    tick.textContent = fmt(x, digits);
+  const xt = ticks(x0, x1, whole);
+  for (const x of xt.values) {
+    const tick = svg("text", {x: X(x), y: h - b + 16, "text-anchor": "middle", class: "xtick"});
+    tick.textContent = xt.label(x);
     box.append(tick);
   }
   const xl = svg("text", {x: (l + w - r) / 2, y: h - 4, "text-anchor": "middle"});
@@ -92,22 +119,23 @@ function lineChart(title, id, series, opts = {}) {
   }
   let k = 0;
   for (const s of series) {
-    const pts = s.pts.filter(p => p[1] !== null && isFinite(p[1]));
-    if (pts.length && s.line !== false) {
+    const pts = s.pts.filter(finite);
+    if (pts.length > 1 && s.line !== false) {
       box.append(svg("polyline", {points: pts.map(p => `${X(p[0])},${Y(p[1])}`).join(" "),
-                                  fill: "none", stroke: s.color, "stroke-width": 1.5}));
+                                  fill: "none", stroke: s.color, "stroke-width": 1.5,
+                                  class: "series", "data-name": s.name}));
     }
-    if (s.dots) for (const p of pts) {
+    if (s.dots || pts.length === 1) for (const p of pts) {  // a lone point: a dot, not nothing
       box.append(svg("circle", {cx: X(p[0]), cy: Y(p[1]), r: s.line === false ? 4 : 2.5,
                                 fill: s.line === false ? "none" : s.color, stroke: s.color,
-                                class: "pt"}));
+                                class: s.dots ? "pt" : "lone"}));
     }
     const key = svg("text", {x: l + 150 * k++, y: 13, fill: s.color});
     key.textContent = s.name;
     key.setAttribute("style", `fill:${s.color}`);
     box.append(key);
   }
-  return el("div", {class: "card"}, el("h3", {}, title), box);
+  return el("div", {class: "card"}, ...head, box);
 }
 
 function rolling(pts, n) {
@@ -158,7 +186,38 @@ function heldOutEmpty(evals, tr) {
     "--eval-reward-functions module:fn turn the eval gate on";
 }
 
+// The loss, and the terms that are on beside it: a term whose coefficient is 0 is said to be
+// off, not drawn as a flat line at 0. With training off the settings are not known here: a term
+// is drawn if the records have it.
+const TERMS = [
+  {name: "KL", key: "kl", coef: "kl_coef", flag: "--kl-coef", color: "#9467bd"},
+  {name: "entropy", key: "entropy", coef: "entropy_coef", flag: "--entropy-coef",
+   color: "#2ca02c"}];
+
+function lossChart(steps, tr) {
+  const on = term => tr.enabled ? tr[term.coef] > 0 : steps.some(s => s[term.key]);
+  const drawn = TERMS.filter(on), off = TERMS.filter(term => !on(term));
+  const note = tr.enabled && off.length ? el("p", {class: "terms", id: "terms-off"},
+    off.map(term => `${term.name}: off (${term.flag} 0)`).join(" · ")) : null;
+  const names = ["Loss", ...drawn.map(term => term.name)];
+  const title = names.length > 1 ? names.slice(0, -1).join(", ") + " and " + names.at(-1) : "Loss";
+  return lineChart(title, "chart-loss", [
+    {name: "loss", color: "#d62728", pts: steps.map(s => [s.step, s.loss])},
+    ...drawn.map(term => ({name: term.name, color: term.color,
+                           pts: steps.map(s => [s.step, s[term.key]])}))],
+    {xlabel: "step", empty: "no optimizer steps yet", note});
+}
+
+const LIVE = {xlabel: "minutes (0 = now)", xwhole: false, xspan: [-1, 0]};
+
 // ---- pages ----
+
+function header(model, version, tr) {
+  // the state in words is the server's (ops/status.py), the same as `rlproxy status` says
+  const where = tr.backend === "tinker" ? ` on ${tr.url} (run ${tr.run})` : "";
+  document.getElementById("status").textContent =
+    `${model} · adapter v${version} · trainer ${tr.state_text}${where}`;
+}
 
 async function overview() {
   const d = await api("/ui/api/overview");
@@ -169,10 +228,7 @@ async function overview() {
   const live = d.live.map(p => Object.assign({}, p, {x: (p.t - Date.now() / 1000) / 60}));
   const tr = d.trainer, sc = d.scoring, today = d.today;
   const evals = d.evals, refused = evals.filter(e => !e.passed);
-  const where = tr.backend === "tinker" ? ` on ${tr.url} (run ${tr.run})` : "";
-  // the state in words is the server's (ops/status.py), the same as `rlproxy status` says
-  document.getElementById("status").textContent =
-    `${d.model} · adapter v${d.adapter_version} · trainer ${tr.state}${where}`;
+  header(d.model, d.adapter_version, tr);
   return el("div", {},
     ...(tr.error ? [el("p", {class: "error"}, `trainer: ${tr.error}`)] : []),
     el("h2", {}, "Today"),
@@ -200,24 +256,20 @@ async function overview() {
         ...(refused.length ? [{name: "refused", color: "#d62728", dots: true, line: false,
                                pts: refused.map(e => [e.step, e.reward])}] : [])],
         {xlabel: "step", ymin: -1, ymax: 1, empty: heldOutEmpty(evals, tr)}),
-      lineChart("Loss and KL", "chart-loss", [
-        {name: "loss", color: "#d62728", pts: steps.map(s => [s.step, s.loss])},
-        {name: "KL", color: "#9467bd", pts: steps.map(s => [s.step, s.kl])}],
-        {xlabel: "step", empty: "no optimizer steps yet"}),
+      lossChart(steps, tr),
       judgePanel(sc)),
     el("h2", {}, "Serving (last 30 minutes)"),
     el("div", {class: "grid"},
       lineChart("Time to first token (s)", "chart-ttft", [
         {name: "p50", color: "#2ca02c", pts: live.map(p => [p.x, p.ttft_p50])},
         {name: "p95", color: "#d62728", pts: live.map(p => [p.x, p.ttft_p95])}],
-        {xlabel: "minutes (0 = now)", ymin: 0, xdigits: 1, empty: "no requests timed yet"}),
+        {...LIVE, ymin: 0, empty: "no requests timed yet"}),
       lineChart("Prefix cache hit rate", "chart-cache", [
         {name: "hits / lookups", color: "#17becf", pts: live.map(p => [p.x, p.cache_hit_rate])}],
-        {xlabel: "minutes (0 = now)", ymin: 0, ymax: 1, xdigits: 1,
-         empty: "no prefix-cache lookups yet"}),
+        {...LIVE, ymin: 0, ymax: 1, empty: "no prefix-cache lookups yet"}),
       lineChart("Tokens per second", "chart-tps", [
         {name: "generated", color: "#8c564b", pts: live.map(p => [p.x, p.tokens_per_s])}],
-        {xlabel: "minutes (0 = now)", ymin: 0, xdigits: 1, empty: "no samples yet"})));
+        {...LIVE, ymin: 0, empty: "no samples yet"})));
 }
 
 function sessionTable(rows, open) {
@@ -309,6 +361,29 @@ async function session(id, start) {
     d.turns.length > 10 ? pager(d) : null);
 }
 
+let saving = false;
+let saved = null;  // the last "Save checkpoint now": the server's answer, or {error}
+
+async function saveCheckpoint() {
+  saving = true;
+  route();  // the button shows "Saving…" until the answer
+  try { saved = await api("/ui/api/checkpoints", {method: "POST"}); }
+  catch (e) { saved = {error: e.message}; }
+  saving = false;
+  route();
+}
+
+function savedNote() {
+  if (saved === null) return null;
+  if (saved.error) {
+    return el("p", {class: "neg", id: "saved"}, "Could not save a checkpoint: " + saved.error);
+  }
+  return el("p", {id: "saved"},
+    `Saved step ${saved.step} (adapter v${saved.adapter_version}) to ${saved.path}: `,
+    el("a", {href: `/ui/api/adapters/${encodeURIComponent(saved.step)}.zip`,
+             id: "saved-download"}, "download .zip"));
+}
+
 async function act(path) {
   try { await api(path, {method: "POST"}); } catch (e) { alert(e.message); }
   route();
@@ -317,12 +392,17 @@ async function act(path) {
 async function adapters() {
   const d = await api("/ui/api/adapters");
   const tr = d.trainer;
+  header(d.model, d.served_version, tr);
   return el("div", {},
     el("h2", {}, `Served adapter version ${d.served_version}`),
-    tr.enabled ? el("button", {id: "pause", onclick: () =>
-      act(tr.paused ? "/ui/api/training/resume" : "/ui/api/training/pause")},
-      tr.paused ? "Resume training" : "Pause training")
-      : el("p", {}, "Training is off (--no-train)."),
+    el("p", {class: "actions"},
+      tr.enabled ? el("button", {id: "pause", onclick: () =>
+        act(tr.paused ? "/ui/api/training/resume" : "/ui/api/training/pause")},
+        tr.paused ? "Resume training" : "Pause training") : "Training is off (--no-train). ",
+      el("button", Object.assign({id: "save-checkpoint", onclick: saveCheckpoint},
+                                 saving ? {disabled: ""} : {}),
+         saving ? "Saving…" : "Save checkpoint now")),
+    savedNote(),
     el("h2", {}, "Checkpoints"),
     el("table", {},
       el("tr", {}, ...["step", "adapter version", "saved", "reward (5 steps)", "loss (5 steps)",
@@ -350,9 +430,14 @@ async function adapters() {
         `at step ${e.step}${e.reason ? ": " + e.reason : ""}`), el("td", {}, when(e.time))))));
 }
 
+// Draws the page the hash names, then says so on <body>: data-state "loaded" (and data-loaded,
+// the hash) only once that page's data is in the view, so a screenshot or a test that waits
+// for it never sees a blank page; "loading" before, "error" when it could not be loaded.
 async function route() {
   clearTimeout(timer);
+  const mine = ++routed;
   const hash = location.hash || "#/";
+  if (hash !== shown) document.body.dataset.state = "loading";
   let page, every = 5000;
   if (hash.startsWith("#/session/")) {
     const [id, start] = hash.slice("#/session/".length).split("/");  // the id is encoded
@@ -360,13 +445,18 @@ async function route() {
   } else if (hash === "#/sessions") page = sessions;
   else if (hash === "#/adapters") page = adapters;
   else { page = overview; every = 3000; }
+  let node, failed = false;
   try {
-    const node = await page();
-    view.replaceChildren(node);
-    document.body.dataset.loaded = hash;
+    node = await page();
   } catch (e) {
-    view.replaceChildren(el("p", {class: "neg"}, "Could not load: " + e.message));
+    node = el("p", {class: "neg"}, "Could not load: " + e.message);
+    failed = true;
   }
+  if (mine !== routed) return;  // the hash changed, or a button routed again, meanwhile
+  view.replaceChildren(node);
+  shown = failed ? null : hash;
+  document.body.dataset.state = failed ? "error" : "loaded";
+  if (!failed) document.body.dataset.loaded = hash;
   timer = setTimeout(route, every);
 }
 
