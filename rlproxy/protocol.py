@@ -10,13 +10,14 @@ carried through for the session layer to read.
 import re
 import reprlib
 import secrets
-from typing import Any, Callable, Literal, TypeVar
+from typing import Annotated, Any, Callable, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, \
-    field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, \
+    ValidationInfo, field_validator, model_validator
 
 MAX_JSON_DEPTH = 64  # settings.server.max_json_depth's default, for callers without settings
+JSON_INT_MIN, JSON_INT_MAX = -2**63, 2**64 - 1  # the integers orjson reads and writes
 
 
 class APIError(Exception):
@@ -127,6 +128,15 @@ class FunctionCall(BaseModel):
         return v
 
 
+def json_int(ge: int = JSON_INT_MIN, le: int = JSON_INT_MAX) -> Any:
+    """A request's integer field: ge..le, 64 bits at most. `json_int(1) | None` if optional."""
+    def as_sent(v: Any) -> Any:  # orjson reads an integer past its bounds as a float
+        if type(v) is float and v.is_integer() and not JSON_INT_MIN < v <= JSON_INT_MAX:
+            return JSON_INT_MAX + 1 if v > 0 else JSON_INT_MIN - 1  # the bound check says so
+        return v
+    return Annotated[int, BeforeValidator(as_sent), Field(ge=ge, le=le)]
+
+
 class ToolCall(BaseModel):
     model_config = _CONFIG
     id: str
@@ -234,16 +244,16 @@ class ChatRequest(SessionFields):
     parallel_tool_calls: bool = True
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # not OpenAI's: vLLM's extension, Anthropic's top_k
-    n: int = Field(1, ge=1, le=16)
+    top_k: json_int(0) | None = None  # not OpenAI's: vLLM's extension, Anthropic's top_k
+    n: json_int(1, 16) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: list[str] | None = Field(None, max_length=4)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
+    max_tokens: json_int(1) | None = None
+    max_completion_tokens: json_int(1) | None = None
+    seed: json_int() | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: json_int(0, 20) | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[int, float] | None = None  # token id -> bias; JSON keys are strings
@@ -349,6 +359,24 @@ def error_path(loc: tuple) -> str:
     return path
 
 
+# pydantic's bound errors -> (the bound's key, OpenAI's words and code for it)
+BOUNDS = {"less_than_equal": ("le", "at most", "above_max_value"),
+          "less_than": ("lt", "less than", "above_max_value"),
+          "greater_than_equal": ("ge", "at least", "below_min_value"),
+          "greater_than": ("gt", "greater than", "below_min_value")}
+
+
+def error_said(err: dict) -> tuple[str, str | None]:
+    """(message, OpenAI's code) for a pydantic error: a number out of range says its bound."""
+    if err["type"] not in BOUNDS:
+        return err["msg"].removeprefix("Value error, "), None
+    key, words, code = BOUNDS[err["type"]]
+    bound = err["ctx"][key]  # a float field's is a float: 2.0 for le=2
+    if isinstance(bound, float):
+        return f"must be {words} {bound:g}", f"decimal_{code}"
+    return f"must be {words} {bound}", f"integer_{code}"
+
+
 def join_path(prefix: str, path: str) -> str:
     if not prefix or not path:
         return prefix or path
@@ -371,11 +399,12 @@ def validate(model: type[M], data: Any, *, prefix: str = "",
     except ValidationError as e:
         errors = e.errors(include_url=False)
         first = error_path(errors[0]["loc"])
-        said = dict.fromkeys(err["msg"].removeprefix("Value error, ") for err in errors
+        said = dict.fromkeys(error_said(err) for err in errors
                              if error_path(err["loc"]) == first)
         path = join_path(prefix, rename(first) if rename and first else first)
-        msg = " or ".join(said)
-        raise APIError(400, f"{path}: {msg}" if path else msg, param=path or None) from None
+        msg = " or ".join(m for m, _ in said)
+        raise APIError(400, f"{path}: {msg}" if path else msg, param=path or None,
+                       code=next(iter(said))[1] if len(said) == 1 else None) from None
 
 
 def parse_body(raw: bytes, model: type[M], rename: Callable[[str], str] | None = None,

@@ -285,6 +285,26 @@ def test_sdk_raises_typed_errors(server):
     assert e.value.body["error"]["message"].startswith("no route for POST /v1/messages/nothing")
 
 
+# Sent by the real anthropic SDK (this release takes the sampling options as extra_body): a
+# number out of range says its bound, in Anthropic's error shape
+OUT_OF_RANGE = [({"max_tokens": 2**70}, f"max_tokens: must be at most {2**64 - 1}"),
+                ({"max_tokens": -2**70}, "max_tokens: must be at least 1"),
+                ({"extra_body": {"top_k": 2**70}}, f"top_k: must be at most {2**64 - 1}"),
+                ({"extra_body": {"top_k": -1}}, "top_k: must be at least 0"),
+                ({"extra_body": {"temperature": 5}}, "temperature: must be at most 1"),
+                ({"extra_body": {"top_p": 0}}, "top_p: must be greater than 0")]
+
+
+@pytest.mark.parametrize("kw,message", OUT_OF_RANGE,
+                         ids=[m.split(":")[0] + f"-{i}" for i, (_, m) in enumerate(OUT_OF_RANGE)])
+def test_a_number_out_of_range_says_its_bound(server, kw, message):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client(server).messages.create(**{"model": "m", "max_tokens": 5, "messages": MSG, **kw})
+    assert e.value.status_code == 400
+    assert e.value.response.json() == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": message}}
+
+
 @pytest.fixture(scope="module")
 def strict_server(tiny, tmp_path_factory):
     settings = make_settings(tmp_path_factory.mktemp("data"), api_key="sekrit",

@@ -269,6 +269,27 @@ def test_bad_input_is_a_400_in_openai_shape(server, body, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
 
 
+# Sent by the real openai SDK: a number out of range says its bound, in OpenAI's error shape
+OUT_OF_RANGE = [({"max_output_tokens": 2**70}, "max_output_tokens",
+                 f"must be at most {2**64 - 1}", "integer_above_max_value"),
+                ({"max_output_tokens": -2**70}, "max_output_tokens", "must be at least 1",
+                 "integer_below_min_value"),
+                ({"temperature": 5}, "temperature", "must be at most 2",
+                 "decimal_above_max_value"),
+                ({"top_p": 0}, "top_p", "must be greater than 0", "decimal_below_min_value")]
+
+
+@pytest.mark.parametrize("kw,param,said,code", OUT_OF_RANGE,
+                         ids=[f"{p}-{i}" for i, (_, p, _s, _c) in enumerate(OUT_OF_RANGE)])
+def test_a_number_out_of_range_says_its_bound(server, kw, param, said, code):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().responses.create(model="m", input="Hi", **kw)
+    assert e.value.status_code == 400
+    assert e.value.response.json() == {"error": {
+        "message": f"{param}: {said}", "type": "invalid_request_error", "param": param,
+        "code": code}}
+
+
 # --hosted-tools reject (the default, drop, is in test_hosted_tools.py)
 HOSTED = [
     ("hosted tool", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),

@@ -250,6 +250,34 @@ def test_sdk_raises_bad_request(server):
         server.client().chat.completions.create(model="m", messages=[])
 
 
+UINT64_MAX, INT64_MIN = 2**64 - 1, -2**63
+# Sent by the real openai SDK: a number out of range is said with its bound in OpenAI's shape,
+# not "Input should be a valid integer" (orjson reads an integer past 64 bits as a float).
+OUT_OF_RANGE = [
+    ({"max_tokens": 2**70}, "max_tokens", f"must be at most {UINT64_MAX}",
+     "integer_above_max_value"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens", "must be at least 1",
+     "integer_below_min_value"),
+    ({"n": 2**70}, "n", "must be at most 16", "integer_above_max_value"),
+    ({"seed": -2**70}, "seed", f"must be at least {INT64_MIN}", "integer_below_min_value"),
+    ({"logprobs": True, "top_logprobs": 2**70}, "top_logprobs", "must be at most 20",
+     "integer_above_max_value"),
+    ({"temperature": 5}, "temperature", "must be at most 2", "decimal_above_max_value"),
+    ({"extra_body": {"top_k": -2**70}}, "top_k", "must be at least 0", "integer_below_min_value"),
+]
+
+
+@pytest.mark.parametrize("kw,param,said,code", OUT_OF_RANGE,
+                         ids=[f"{p}-{i}" for i, (_, p, _s, _c) in enumerate(OUT_OF_RANGE)])
+def test_a_number_out_of_range_says_its_bound(server, kw, param, said, code):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(model="m", messages=MSG, **kw)
+    assert e.value.status_code == 400 and (e.value.param, e.value.code) == (param, code)
+    assert e.value.response.json() == {"error": {
+        "message": f"{param}: {said}", "type": "invalid_request_error", "param": param,
+        "code": code}}
+
+
 def test_unknown_routes_and_ollama_probes_get_json_404(server):
     for method, path in [("POST", "/api/show"), ("GET", "/api/v1/models"), ("GET", "/nothing")]:
         r = requests.request(method, server.url + path)
@@ -267,8 +295,7 @@ FEEDBACK_ERRORS = [
     ({"reward": 1, "turn": "last"}, "session_id", "session_id (string) is required"),
     ({"session_id": "", "reward": 1, "turn": "last"}, "session_id",
      "session_id (string) is required"),
-    ({"session_id": "s", "reward": 2, "turn": "last"}, "reward",
-     "reward must be a number in [-1, 1]"),
+    ({"session_id": "s", "reward": 2, "turn": "last"}, "reward", "reward: must be at most 1"),
     ({"session_id": "s", "reward": True, "turn": "last"}, "reward",
      "reward must be a number in [-1, 1]"),
     ({"session_id": "s", "reward": "1", "turn": "last"}, "reward",
@@ -283,7 +310,7 @@ FEEDBACK_ERRORS = [
     ({"session_id": "s", "reward": 1, "turn_index": "0"}, "turn_index",
      "turn_index must be an integer"),
     ({"session_id": "s", "reward": 1, "turn_index": 18446744073709551616}, "turn_index",
-     "turn_index must be an integer"),
+     "turn_index: must be at most 18446744073709551615"),  # an integer, too large
     ({"session_id": "s", "reward": 1, "turn_id": "t", "step_index": True}, "step_index",
      "step_index must be an integer"),
 ]
@@ -294,8 +321,10 @@ FEEDBACK_ERRORS = [
 def test_feedback_errors_name_the_field(server, body, param, message):
     r = requests.post(server.base_url + "/feedback", data=json.dumps(body))
     assert r.status_code == 400
+    code = {"reward": "decimal_above_max_value", "turn_index": "integer_above_max_value"}.get(
+        param) if ": must be" in message else None  # a bound's code: OpenAI's
     assert r.json()["error"] == {"message": message, "type": "invalid_request_error",
-                                 "param": param, "code": None}
+                                 "param": param, "code": code}
 
 
 def test_feedback_on_a_turn(server):

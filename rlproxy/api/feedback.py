@@ -2,7 +2,8 @@
 
 Owns the body (`FeedbackRequest`) and the handler; the session store finds the turn and the
 scorer combines the reward with its own (see scoring/judging.py). Each rule's message is the one this
-endpoint has always given, whatever pydantic would have said.
+endpoint has always given, whatever pydantic would have said; a number out of range says its
+bound, as every endpoint does (protocol.validate).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlproxy.api.edge import json_body, json_response
 from rlproxy.appkeys import SCORER, SESSIONS
-from rlproxy.protocol import APIError, shown
+from rlproxy.protocol import APIError, json_int, shown
 
 # A failed field's message, by field: the endpoint's words since before this model existed.
 MESSAGES = {"session_id": "session_id (string) is required",
@@ -33,9 +34,9 @@ class FeedbackRequest(BaseModel):
     reward: float = Field(ge=-1, le=1)
     comment: str | None = None
     turn_uid: str | None = None
-    turn_index: int | None = None
+    turn_index: json_int() | None = None
     turn_id: str | None = None
-    step_index: int | None = None
+    step_index: json_int() | None = None
     turn: Literal["last"] | None = None
 
     @model_validator(mode="before")
@@ -59,7 +60,8 @@ async def parse_feedback(request: web.Request) -> FeedbackRequest:
         return await json_body(request, FeedbackRequest)
     except APIError as e:
         field = (e.param or "").split(".")[0].split("[")[0]
-        if field in MESSAGES and e.message.startswith(f"{e.param}: "):  # pydantic's words
+        # pydantic's words; a number out of range (which has a code) keeps "must be at most N"
+        if field in MESSAGES and e.code is None and e.message.startswith(f"{e.param}: "):
             raise APIError(400, MESSAGES[field], param=field) from None
         raise
 

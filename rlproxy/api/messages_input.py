@@ -24,7 +24,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlproxy import protocol
-from rlproxy.protocol import APIError, ChatRequest, shown
+from rlproxy.protocol import APIError, ChatRequest, json_int, shown
 
 TEXT_JOIN = "\n\n"  # between text blocks of one message: Anthropic has no separator of its own
 MEDIA_BLOCKS = {"image", "document", "search_result"}
@@ -102,12 +102,12 @@ class CountTokensRequest(protocol.SessionFields):
 class MessagesRequest(CountTokensRequest):
     """A validated /v1/messages body. `max_tokens` is required, as Anthropic requires it."""
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: json_int(1)
     # at most 4, non-empty: the internal request's limits (OpenAI's), named here in these terms
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=4)
     temperature: float = Field(1.0, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: json_int(0) | None = None
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
     stream: bool = False

@@ -26,7 +26,7 @@ import orjson
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlproxy import protocol
-from rlproxy.protocol import APIError, ChatRequest, shown
+from rlproxy.protocol import APIError, ChatRequest, json_int, shown
 
 TEXT_PARTS = {"input_text", "output_text", "text", "refusal"}
 
@@ -43,7 +43,7 @@ class ResponsesRequest(protocol.SessionFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: json_int(1) | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     stream: bool = False

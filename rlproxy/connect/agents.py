@@ -1,6 +1,6 @@
 """What `rlproxy connect` writes for each agent, and where: one merge function per agent that sets
 only rlproxy's keys in the agent's own config document, plus where the agent reads that file,
-the command that runs it and the one-turn command `--check` runs.
+the command that runs it, the one-turn command `--check` runs and the window it needs.
 
 Checked against the agents themselves (docs/agents.md has the versions): Codex CLI reads
 $CODEX_HOME/config.toml, Claude Code the `env` block of ~/.claude/settings.json, OpenCode
@@ -18,7 +18,6 @@ from rlproxy.connect.formats import table
 
 PROVIDER = "rlproxy"  # the provider id connect adds to agents that name providers
 CHECK_PROMPT = "Say hi in one word."
-HERMES_MIN_CONTEXT = 64_000  # hermes-agent's agent/model_metadata.py MINIMUM_CONTEXT_LENGTH
 
 
 @dataclass(frozen=True)
@@ -156,4 +155,16 @@ AGENTS = {
     "hermes": Agent("Hermes Agent", "hermes", "pip install hermes-agent", "yaml",
                     lambda: env_dir("HERMES_HOME", home() / ".hermes") / "config.yaml",
                     hermes, "hermes", ["hermes", "chat", "-Q", "-q", CHECK_PROMPT]),
+}
+
+# The window each agent needs, in tokens, and why: the prompt of its first turn, measured with the
+# agent (a tokenizer with a smaller vocabulary counts more: the tiny model's counted Codex's
+# first prompt as 16,475, docs/agents.md), or the least window it accepts.
+WINDOW_NEEDS = {
+    "codex": (9_000, "its first prompt is that long"),
+    "claude": (36_000, "its first prompt is that long: 24 tool schemas and its system prompt"),
+    "opencode": (13_000, "its first prompt is that long"),
+    "openclaw": (25_000, "its first prompt is that long"),
+    # hermes-agent's agent/model_metadata.py MINIMUM_CONTEXT_LENGTH
+    "hermes": (64_000, "it refuses a model with a smaller window"),
 }

@@ -17,7 +17,7 @@ import urllib.error
 from pathlib import Path
 
 from rlproxy.connect import check
-from rlproxy.connect.agents import AGENTS, HERMES_MIN_CONTEXT, Target
+from rlproxy.connect.agents import AGENTS, WINDOW_NEEDS, Target
 from rlproxy.connect.formats import ConfigError, dump, load
 from rlproxy.ops.status import fetch
 from rlproxy.settings import ModelSettings
@@ -136,19 +136,28 @@ def connect(agent_name: str, target: Target, dry_run: bool) -> int:
     return 0
 
 
+def suggested_window(need: int) -> int:
+    """The --context-length to suggest: the power of two at or above `need` (room for a reply)."""
+    return 1 << (need - 1).bit_length()
+
+
 def report_window(agent_name: str, context: int | None) -> None:
-    if agent_name != "hermes":
-        return
+    """Say whether the served window holds what the agent sends, and if not, what fixes it."""
+    need, why = WINDOW_NEEDS[agent_name]
+    name = AGENTS[agent_name].name
     if context is None:
-        print("Hermes Agent needs a model window of at least 64,000 tokens; the server did not "
-              "say its window")
-    elif context < HERMES_MIN_CONTEXT:
-        print(f"warning: the server serves a {context:,}-token window; Hermes Agent refuses "
-              f"models under {HERMES_MIN_CONTEXT:,} tokens. Restart it with "
-              "`rlproxy serve --context-length 65536` (the model's real window stays what it is)")
+        print(f"{name} needs a window of {need:,} tokens ({why}); the server did not say its "
+              "window")
+    elif context < need:
+        wanted = suggested_window(need)
+        print(f"warning: the server's window is {context:,} tokens and {name} needs {need:,} "
+              f"({why}). Restart the server with `rlproxy serve --context-length {wanted}` (a "
+              "RoPE model is stretched past its trained window, at lower quality; one that "
+              f"cannot be is refused at start: then serve a model trained on {wanted:,} tokens "
+              "or more), or with `rlproxy serve --model tiny` (random weights, a window every "
+              "agent fits in) to check the plumbing only")
     else:
-        print(f"the server serves a {context:,}-token window (Hermes Agent needs at least "
-              f"{HERMES_MIN_CONTEXT:,})")
+        print(f"the server's window is {context:,} tokens; {name} needs {need:,} ({why})")
 
 
 def connect_cmd(args: argparse.Namespace) -> int:
