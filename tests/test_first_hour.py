@@ -239,3 +239,15 @@ def test_export_takes_the_adapter_a_running_server_serves_before_any_checkpoint(
     assert code == 0, err
     again = mx.load(str(tmp_path / "again" / "adapters.safetensors"))
     assert all(mx.array_equal(again[k], v).item() for k, v in exported.items())
+
+
+def test_an_explicit_data_dir_of_another_model_is_still_refused_in_one_line(tmp_path):
+    data = tmp_path / "data"
+    save_checkpoint(data / CHECKPOINTS, 10, 10, {"w": mx.zeros((1,))}, {}, {},
+                    {"model": {"model": "small"}})
+    code, err, _ = rlproxy("serve", "--model", "tiny", "--data-dir", str(data), "--port",
+                           str(free_port()), timeout=120)
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    line = [ln for ln in err.splitlines() if ln.startswith("rlproxy: ")]
+    assert len(line) == 1 and "another model" in line[0] and "--data-dir" in line[0], err
