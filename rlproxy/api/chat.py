@@ -1,29 +1,38 @@
 """POST /v1/chat/completions: the Chat Completions dialect.
 
 Owns only this API's shapes: parsing the body (protocol.py), the `chat.completion` body, the
-`chat.completion.chunk` SSE stream and replaying a kept response. Everything else -- session,
-generation, the turn's record -- happens in turns.py, the same for every dialect.
+`chat.completion.chunk` SSE stream (`data: [DONE]` last, an error chunk before it when the turn
+failed) and a kept response sent again. Everything else -- session, generation, the turn's
+record -- happens in turns.py, the same for every dialect; the stream's bytes go through
+streams.py.
 """
 
 from __future__ import annotations
-
-import functools
 
 import orjson
 from aiohttp import web
 
 from rlproxy import protocol
-from rlproxy.api.edge import json_body, json_response
+from rlproxy.api.edge import StreamEnded, disk_full_error, json_body, json_response
+from rlproxy.api.streams import open_stream, replay
 from rlproxy.api.tags import parse_turn_tags
-from rlproxy.api.turns import Call, drain, generation_error, open_sse, replay_kept, serve_turn
-from rlproxy.serving.completions import EngineFailure, Interrupted
+from rlproxy.api.turns import Call, Failed, Kept, drain, serve_turn
+from rlproxy.records import WriteFailed
+
+DONE = b"data: [DONE]\n\n"
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await json_body(request, protocol.ChatRequest)
     tags = parse_turn_tags(request.headers, req)
-    write = stream_completion if req.stream else full_completion
-    return await serve_turn(request, req, tags, "chat", write, replay)
+    async with serve_turn(request, req, tags, "chat") as call:
+        if isinstance(call, Kept):  # a repeated X-Request-Id: the kept response again
+            if not req.stream:
+                return await replay(request, call.body, None)
+            return await replay(request, call.body, call.events or body_as_chunks(call.body))
+        if req.stream:
+            return await stream_completion(call)
+        return await full_completion(call)
 
 
 def final_body(call: Call, cid: str, events) -> dict:
@@ -42,10 +51,10 @@ def final_body(call: Call, cid: str, events) -> dict:
     return protocol.chat_completion(cid, int(gen.started), req.model, choices, gen.usage())
 
 
-async def full_completion(call: Call):
+async def full_completion(call: Call) -> web.Response:
     body = final_body(call, protocol.completion_id(), await drain(call))
-    call.file_turn(body)
-    return json_response(body, headers=call.headers), {"body": body, "events": None}
+    await call.file(body)  # on disk before the client hears of it
+    return json_response(body, headers=call.headers)
 
 
 def sse(data) -> bytes:
@@ -63,11 +72,10 @@ def chunk_delta(kind: str, value, tool_index: int) -> dict | None:
     return None
 
 
-async def stream_completion(call: Call):
+async def stream_completion(call: Call) -> web.StreamResponse:
     req, gen = call.req, call.gen
-    resp = await open_sse(call.request, call.headers)
+    stream = await open_stream(call.request, call.headers)
     cid, created = protocol.completion_id(), int(gen.started)
-    resp.on_disk_full = lambda err: resp.write(sse(err.body()) + b"data: [DONE]\n\n")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent: list[bytes] = []
 
@@ -77,43 +85,40 @@ async def stream_completion(call: Call):
             data["usage"] = usage
         payload = sse(data)
         sent.append(payload)
-        await resp.write(payload)
+        await stream.send(payload)
 
     for i in range(req.n):
         await send([protocol.delta_choice(i, {"role": "assistant", "content": ""})])
     tool_counts = [0] * req.n
     events = []
     finishes: list[dict] = []  # held until the turn is journaled
-    try:
-        async for ev in call.events():
-            events.append(ev)
-            lp = {"content": ev.logprobs, "refusal": None} if req.logprobs else None
-            for kind, value in ev.deltas:
-                delta = chunk_delta(kind, value, tool_counts[ev.index])
-                if delta is None:
-                    continue
-                tool_counts[ev.index] += kind == "tool_call"
-                await send([protocol.delta_choice(ev.index, delta, None, lp)])
-                lp = None  # a token's logprobs ride on its first delta only
-            if lp and ev.logprobs:  # text held back (maybe a stop string): logprobs still go
-                await send([protocol.delta_choice(ev.index, {}, None, lp)])
-            if ev.finish_reason is not None:
-                finishes.append(protocol.delta_choice(ev.index, {}, ev.finish_reason))
-    except (EngineFailure, Interrupted) as e:  # an error chunk, as OpenAI ends a failed stream
-        err = generation_error(e)
-        await resp.write(sse(err.body()) + b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp, None
+    async for ev in call.events():
+        if isinstance(ev, Failed):  # an error chunk, as OpenAI ends a failed stream
+            return await stream.end(sse(ev.error.body()) + DONE)
+        events.append(ev)
+        lp = {"content": ev.logprobs, "refusal": None} if req.logprobs else None
+        for kind, value in ev.deltas:
+            delta = chunk_delta(kind, value, tool_counts[ev.index])
+            if delta is None:
+                continue
+            tool_counts[ev.index] += kind == "tool_call"
+            await send([protocol.delta_choice(ev.index, delta, None, lp)])
+            lp = None  # a token's logprobs ride on its first delta only
+        if lp and ev.logprobs:  # text held back (maybe a stop string): logprobs still go
+            await send([protocol.delta_choice(ev.index, {}, None, lp)])
+        if ev.finish_reason is not None:
+            finishes.append(protocol.delta_choice(ev.index, {}, ev.finish_reason))
     body = final_body(call, cid, events)
-    call.file_turn(body)
+    try:
+        await call.file(body, sent)  # the finish chunks go out once the turn is on disk
+    except WriteFailed as e:  # it was not kept: an error chunk instead of the finish
+        raise StreamEnded(await stream.end(sse(disk_full_error(e).body()) + DONE)) from e
     for f in finishes:
         await send([f])
     if include_usage:
         await send([], usage=gen.usage())
-    sent.append(b"data: [DONE]\n\n")
-    await resp.write(sent[-1])
-    await resp.write_eof()
-    return resp, {"body": body, "events": sent}
+    sent.append(DONE)
+    return await stream.end(DONE)
 
 
 def body_as_chunks(body: dict) -> list[bytes]:
@@ -130,8 +135,5 @@ def body_as_chunks(body: dict) -> list[bytes]:
         out.append(sse(protocol.chunk(body["id"], body["created"], body["model"],
                                       [protocol.delta_choice(c["index"], {},
                                                              c["finish_reason"])])))
-    out.append(b"data: [DONE]\n\n")
+    out.append(DONE)
     return out
-
-
-replay = functools.partial(replay_kept, body_as_events=body_as_chunks)

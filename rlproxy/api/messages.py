@@ -2,14 +2,14 @@
 
 Parses and translates the body (messages_input.py), runs the turn through turns.serve_turn like
 every other dialect (session, generation, record: `api: "messages"`), and writes the answer back
-as a message body or its SSE events (messages_output.py). Also reads Claude Code's own session
-header into the session protocol.
+as a message body or its SSE events (messages_output.py; the bytes through streams.py), pings
+included while a long prompt prefills. Also reads Claude Code's own session header into the
+session protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import re
 from contextlib import aclosing
 
@@ -18,14 +18,17 @@ from multidict import CIMultiDict
 
 from rlproxy.api import hosted_tools
 from rlproxy.api import messages_output as out
-from rlproxy.api.edge import json_body, json_response, max_json_depth
+from rlproxy.api.edge import StreamEnded, disk_full_error, json_body, json_response, \
+    max_json_depth
 from rlproxy.api.messages_input import CountTokensRequest, MessagesRequest, drop_server_tools, \
     to_chat_request
 from rlproxy.api.tags import parse_turn_tags
-from rlproxy.api.turns import Call, drain, generation_error, open_sse, replay_kept, serve_turn
+from rlproxy.api.streams import open_stream, replay
+from rlproxy.api.turns import Call, Failed, Kept, drain, serve_turn
 from rlproxy.appkeys import MODEL
 from rlproxy.protocol import APIError
-from rlproxy.serving.completions import EngineFailure, Interrupted, build_prompt
+from rlproxy.records import WriteFailed
+from rlproxy.serving.completions import build_prompt
 
 PING_INTERVAL_S = 5.0  # a long prompt's prefill takes minutes here; keep the line alive
 
@@ -49,8 +52,15 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     req = to_chat_request(body, max_json_depth(request))
     tags = parse_turn_tags(session_headers(request.headers), req)
     try:
-        return await serve_turn(request, req, tags, "messages",
-                                stream_message if req.stream else full_message, replay)
+        async with serve_turn(request, req, tags, "messages") as call:
+            if isinstance(call, Kept):  # a repeated X-Request-Id: the kept response again
+                if not req.stream:
+                    return await replay(request, call.body, None)
+                return await replay(request, call.body,
+                                    call.events or out.body_as_events(call.body))
+            if req.stream:
+                return await stream_message(call)
+            return await full_message(call)
     except APIError as e:
         raise in_anthropic_words(e) from None
 
@@ -94,51 +104,47 @@ def _ending(call: Call) -> tuple[str, str | None, dict]:
     return out.stop_reason(rec.finish_reason, text.stop_sequence), text.stop_sequence, use
 
 
-async def full_message(call: Call):
+async def full_message(call: Call) -> web.Response:
     blocks = out.Blocks()
     for ev in await drain(call):
         for kind, value in ev.deltas:
             blocks.add(kind, value)
     stop, stop_sequence, use = _ending(call)
     body = out.message(out.message_id(), call.req.model, blocks.content, stop, stop_sequence, use)
-    call.file_turn(body)
-    return json_response(body, headers=call.headers), {"body": body, "events": None}
+    await call.file(body)  # on disk before the client hears of it
+    return json_response(body, headers=call.headers)
 
 
-async def stream_message(call: Call):
-    resp = await open_sse(call.request, call.headers)
+async def stream_message(call: Call) -> web.StreamResponse:
+    stream = await open_stream(call.request, call.headers)
     mid, sent = out.message_id(), []
-    resp.on_disk_full = lambda err: resp.write(out.event("error", out.error_body(err)))
 
     async def send(payload: bytes) -> None:
         sent.append(payload)
-        await resp.write(payload)
+        await stream.send(payload)
 
     await send(out.message_start(mid, call.req.model, len(call.prompt.ids)))
-    await resp.write(out.PING)
+    await stream.send(out.PING)
     blocks = out.Blocks()
-    try:
-        async with aclosing(out.with_pings(call.events(), PING_INTERVAL_S)) as events:
-            async for ev in events:
-                if ev is None:  # still prefilling (or a long silence): tell the client we are here
-                    await resp.write(out.PING)
-                    continue
-                for kind, value in ev.deltas:
-                    for name, data in blocks.add(kind, value):
-                        await send(out.event(name, data))
-    except (EngineFailure, Interrupted) as e:
-        await resp.write(out.event("error", out.error_body(generation_error(e))))
-        await resp.write_eof()
-        return resp, None
+    async with aclosing(out.with_pings(call.events(), PING_INTERVAL_S)) as events:
+        async for ev in events:
+            if ev is None:  # still prefilling (or a long silence): tell the client we are here
+                await stream.send(out.PING)
+                continue
+            if isinstance(ev, Failed):
+                return await stream.end(out.event("error", out.error_body(ev.error)))
+            for kind, value in ev.deltas:
+                for name, data in blocks.add(kind, value):
+                    await send(out.event(name, data))
     for name, data in blocks.close():
         await send(out.event(name, data))
     stop, stop_sequence, use = _ending(call)
     body = out.message(mid, call.req.model, blocks.content, stop, stop_sequence, use)
-    call.file_turn(body)  # journaled before the client hears the message is done
+    try:
+        await call.file(body, sent)  # journaled before the client hears the message is done
+    except WriteFailed as e:  # not kept: an error event instead of the message's end
+        error = out.event("error", out.error_body(disk_full_error(e)))
+        raise StreamEnded(await stream.end(error)) from e
     for payload in out.message_end(stop, stop_sequence, use):
         await send(payload)
-    await resp.write_eof()
-    return resp, {"body": body, "events": sent}
-
-
-replay = functools.partial(replay_kept, body_as_events=out.body_as_events)
+    return await stream.end()

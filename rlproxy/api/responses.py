@@ -12,21 +12,23 @@ carries the stored response's session id and thread as its own.
 from __future__ import annotations
 
 import asyncio
-import functools
 import secrets
 
 import orjson
 from aiohttp import web
 
 from rlproxy.api import hosted_tools, response_store
-from rlproxy.api.edge import json_body, json_response, max_json_depth
+from rlproxy.api.edge import StreamEnded, disk_full_error, json_body, json_response, \
+    max_json_depth
 from rlproxy.api.responses_input import ResponsesRequest, drop_hosted_tools, input_messages, \
     to_chat_request, tool_namespaces
 from rlproxy.api.tags import parse_turn_tags
-from rlproxy.api.turns import Call, drain, generation_error, open_sse, replay_kept, serve_turn
+from rlproxy.api.streams import SseStream, open_stream, replay
+from rlproxy.api.turns import Call, Failed, Kept, drain, serve_turn
 from rlproxy.appkeys import RESPONSES
 from rlproxy.protocol import APIError, shown
-from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord, EngineFailure, Interrupted
+from rlproxy.records import WriteFailed
+from rlproxy.serving.completions import ChoiceEvent, ChoiceRecord
 
 
 def new_id(prefix: str) -> str:
@@ -52,13 +54,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if prev is not None and tags.session_id is None:
         tags.session_id = prev["session_id"]  # the chain is the session, no prefix guessing
     rid = new_id("resp")
-
-    async def write(call: Call):
-        writer = stream_response if r.stream else full_response
-        return await writer(call, r, rid, conversation)
-
-    return await serve_turn(request, req, tags, "responses", write, replay,
-                            thread_hint=prev["thread"] if prev else None)
+    async with serve_turn(request, req, tags, "responses",
+                          thread_hint=prev["thread"] if prev else None) as call:
+        if isinstance(call, Kept):  # a repeated X-Request-Id: the kept response again
+            if not r.stream:
+                return await replay(request, call.body, None)
+            return await replay(request, call.body, call.events or body_as_events(call.body))
+        if r.stream:
+            return await stream_response(call, r, rid, conversation)
+        return await full_response(call, r, rid, conversation)
 
 
 async def get_response(request: web.Request) -> web.Response:
@@ -132,13 +136,14 @@ def call_item(call: dict, status: str, namespaces: dict[str, str]) -> dict:
 
 
 async def finished(call: Call, r: ResponsesRequest, rid: str, conversation: list[dict],
-                   output: list[dict]) -> dict:
-    """File the turn and keep the response for a chain; then the last bytes may go out."""
+                   output: list[dict], sent: list[bytes] | None = None) -> dict:
+    """File the turn and keep the response for a chain; once the turn is on disk (WriteFailed
+    when the disk refused it) the last bytes may go out."""
     rec = call.gen.records[0]
     status = "incomplete" if rec.finish_reason == "length" else "completed"
     body = response_body(r, rid, int(call.gen.started), status, output,
                          responses_usage(call.gen.usage()))
-    call.file_turn(body)
+    on_disk = call.file(body, sent)
     if r.store:
         reply = {"role": "assistant", "content": rec.text or None}
         if rec.tool_calls:
@@ -149,6 +154,7 @@ async def finished(call: Call, r: ResponsesRequest, rid: str, conversation: list
             "response": body, "conversation": conversation + [reply],
             "session_id": turn.session_id if turn else None,
             "thread": turn.thread if turn else None})
+    await on_disk
     return body
 
 
@@ -159,7 +165,7 @@ async def full_response(call: Call, r: ResponsesRequest, rid: str, conversation:
         await events.add(ev)
     await events.end(call.gen.records[0])
     body = await finished(call, r, rid, conversation, events.output)
-    return json_response(body, headers=call.headers), {"body": body, "events": None}
+    return json_response(body, headers=call.headers)
 
 
 # ---- streaming ----
@@ -171,10 +177,10 @@ def sse_event(data: dict) -> bytes:
 class EventWriter:
     """The output items of one response, and their event stream: numbers the events and tracks
     the item being written (a reasoning item or a message takes text deltas until another kind
-    of output starts). With no `resp` it only builds the items (a non-streamed response)."""
+    of output starts). With no `stream` it only builds the items (a non-streamed response)."""
 
-    def __init__(self, resp: web.StreamResponse | None, namespaces: dict[str, str]):
-        self.resp, self.seq, self.sent, self.namespaces = resp, 0, [], namespaces
+    def __init__(self, stream: SseStream | None, namespaces: dict[str, str]):
+        self.stream, self.seq, self.sent, self.namespaces = stream, 0, [], namespaces
         self.output: list[dict] = []  # finished items
         self.open: dict | None = None  # the reasoning or message item being streamed
 
@@ -195,12 +201,12 @@ class EventWriter:
             await self.close(status)
 
     async def send(self, type_: str, **fields) -> None:
-        if self.resp is None:
+        if self.stream is None:
             return
         payload = sse_event({"type": type_, "sequence_number": self.seq, **fields})
         self.seq += 1
         self.sent.append(payload)
-        await self.resp.write(payload)
+        await self.stream.send(payload)
 
     async def text(self, kind: str, delta: str) -> None:
         item_type = "reasoning" if kind == "reasoning" else "message"
@@ -262,36 +268,35 @@ class EventWriter:
                 "content_index": 0}
 
 
-async def stream_response(call: Call, r: ResponsesRequest, rid: str, conversation: list[dict]):
-    resp = await open_sse(call.request, call.headers)
-    events = EventWriter(resp, tool_namespaces(r.tools))
+async def stream_response(call: Call, r: ResponsesRequest, rid: str,
+                          conversation: list[dict]) -> web.StreamResponse:
+    stream = await open_stream(call.request, call.headers)
+    events = EventWriter(stream, tool_namespaces(r.tools))
     created = int(call.gen.started)
 
-    async def failed(err: APIError) -> None:  # the turn was not kept (a full disk)
+    async def failed(err: APIError) -> None:
         await events.send("response.failed", response=response_body(
             r, rid, created, "failed", events.output,
             error={"code": err.code or err.type, "message": err.message}))
-    resp.on_disk_full = failed
+
     await events.send("response.created",
                       response=response_body(r, rid, created, "in_progress", []))
     await events.send("response.in_progress",
                       response=response_body(r, rid, created, "in_progress", []))
-    try:
-        async for ev in call.events():
-            await events.add(ev)
-    except (EngineFailure, Interrupted) as e:
-        await events.close("incomplete")  # the item cut off gets its .done events first
-        err = generation_error(e)
-        error = {"code": err.code or err.type, "message": err.message}
-        await events.send("response.failed", response=response_body(
-            r, rid, created, "failed", events.output, error=error))
-        await resp.write_eof()
-        return resp, None
+    async for ev in call.events():
+        if isinstance(ev, Failed):
+            await events.close("incomplete")  # the item cut off gets its .done events first
+            await failed(ev.error)
+            return await stream.end()
+        await events.add(ev)
     await events.end(call.gen.records[0])
-    body = await finished(call, r, rid, conversation, events.output)
+    try:
+        body = await finished(call, r, rid, conversation, events.output, events.sent)
+    except WriteFailed as e:  # the turn was not kept: the response failed, not completed
+        await failed(disk_full_error(e))
+        raise StreamEnded(await stream.end()) from e
     await events.send(f"response.{body['status']}", response=body)
-    await resp.write_eof()
-    return resp, {"body": body, "events": events.sent}
+    return await stream.end()
 
 
 def body_as_events(body: dict) -> list[bytes]:
@@ -303,6 +308,3 @@ def body_as_events(body: dict) -> list[bytes]:
         events.append({"type": "response.output_item.done", "output_index": i, "item": item})
     events.append({"type": f"response.{body['status']}", "response": body})
     return [sse_event({**e, "sequence_number": n}) for n, e in enumerate(events)]
-
-
-replay = functools.partial(replay_kept, body_as_events=body_as_events)

@@ -1,56 +1,58 @@
 """The one path every API dialect takes: from an internal chat request to a filed turn.
 
-Order of work: claim the X-Request-Id (before any await, so a concurrent repeat waits for this
-attempt instead of running its own) or replay the response kept for it -> template the prompt ->
-token budget -> resolve the session (which links the session's previous turn to its next
-state) -> generate -> the dialect writes its response from `Generation.events()` and calls
-`Call.file_turn()` (journal the finished turn) before the response's last bytes -> cancel what
-a gone client left running -> keep the response for a repeat, or, when the attempt failed, let
-exactly one waiting repeat run anew. A request that opted out (X-RL-Opt-Out) is served and never
-filed.
+A dialect's handler reads its request into a `ChatRequest` and enters `serve_turn`, which gives
+it either a `Kept` response (a repeated X-Request-Id: the dialect sends it again) or a `Call`.
+The dialect iterates `Call.events()` -- the generation's `ChoiceEvent`s (text, reasoning and
+tool-call deltas, logprobs, each choice's finish), or a `Failed` that ends them early -- and
+writes them in its own wire format; when the generation is complete it builds its body and
+awaits `Call.file(body)`: the turn is filed, and on disk, before the reply's last bytes. A disk
+that refused it raises `WriteFailed` there (a whole body: the 507; a stream: the dialect's own
+error event). Nothing here calls into a dialect or knows its shapes.
+
+Order of work in `serve_turn`: claim the X-Request-Id (before any await, so a concurrent repeat
+waits for this attempt instead of running its own) or hand back the response kept for it ->
+template the prompt -> token budget -> resolve the session (which links the session's previous
+turn to its next state) -> generate (the dialect writes, files) -> cancel what a gone client
+left running -> keep the response for a repeat, or, when the attempt failed, let exactly one
+waiting repeat run anew. A request that opted out (X-RL-Opt-Out) is served and never filed.
 
 Durable before acknowledged: the turn's journal line is written by the records' writer thread;
-the response's bytes after `file_turn` wait for it (a streamed response through `open_sse`'s
-response, a whole body in `serve_turn`), so no client hears of a turn a crash could lose, and
-the event loop never waits on the disk.
+the future `Call.file` returns is done once it is on disk, so no client hears of a turn a crash
+could lose, and the event loop never waits on the disk.
 
-Hostile and ending streams: every streamed byte goes through `SseResponse.write`, which gives
-up on a client that takes nothing for `--stall-timeout-s` (the connection is aborted, the
-generation cancelled, `client_stalled` logged); a choice whose reader falls
-`completions.MAX_BACKLOG` steps behind is stopped on the engine thread even sooner, so a
-stalled reader never holds a batch slot while it waits out the timeout. When a shutdown drain
-runs out (`app[STOPPING]`, api/server.py), `run_call` interrupts the generation: a stream ends
-with its dialect's error event, a whole response is a 503 with Retry-After. Either way the turn
-is not filed, as for any client that went away: only a turn whose response was complete is.
+Hostile and ending streams: a stream's writes are bounded by --stall-timeout-s (streams.py,
+`ClientStalled`, counted and logged here as `client_stalled`); a choice whose reader falls
+`completions.MAX_BACKLOG` steps behind is stopped on the engine thread even sooner, so a stalled
+reader never holds a batch slot while it waits out the timeout. When a shutdown drain runs out
+(`app[STOPPING]`, api/server.py), the generation is interrupted: a stream ends with its
+dialect's error event (`Failed`), a whole response is a 503 with Retry-After. Either way the
+turn is not filed, as for any client that went away: only a turn whose response was complete is.
 
-Owns nothing about any dialect's shapes: a dialect passes in `write` (its response from a
-`Call`) and `replay` (a stored response sent again; `replay_kept` does it given the dialect's
-body-as-events). Parsing is the dialect's job too. What every dialect shows the same way lives
-here: `parallel_tool_calls: false` keeps a choice's first tool call (`Call.events`).
+What every dialect shows the same way lives here: `parallel_tool_calls: false` keeps a choice's
+first tool call (`Call.events`), and `generation_error` words a generation that did not end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Awaitable, Callable
+from typing import AsyncIterator
 
 from aiohttp import web
 
-from rlproxy.api.edge import StreamEnded, disk_full_error, json_response
+from rlproxy.api.streams import ClientStalled
+from rlproxy.api.tags import TurnTags
 from rlproxy.appkeys import ENGINE, MODEL, SESSIONS, SETTINGS, STOPPING
 from rlproxy.ops import metrics
 from rlproxy.ops.health import served_names
 from rlproxy.ops.logs import TURN_UID
+from rlproxy.protocol import APIError, ChatRequest
 from rlproxy.serving.completions import MAX_BACKLOG, ChoiceEvent, ChoiceRecord, EngineFailure, \
     Generation, Interrupted, Prompt, build_prompt, sampling_params
-from rlproxy.api.tags import TurnTags
-from rlproxy.protocol import APIError, ChatRequest
-from rlproxy.records import WriteFailed
 from rlproxy.serving.engine import SamplingParams
 from rlproxy.sessions.store import Placement, Session, Turn
 
@@ -58,12 +60,23 @@ LOGPROB_DEFINITION = ("log_softmax(logits) at temperature 1, after logit_bias an
                       "before temperature and top_p")
 log = logging.getLogger("rlproxy.turns")
 SHUTDOWN_RETRY_AFTER_S = 5  # a restarted server answers again within seconds
-# A stream's send buffers, kernel and asyncio: Linux grows a socket's to 4 MB (~27k chunks)
-# when the client does not read, which would hide a stall for minutes; 16 KiB still carries
-# an SSE stream's ~30 KB/s at a 500 ms round trip.
-SSE_SEND_BUFFER = 16 * 1024
-# the future of the request's filed turn (Call.file_turn): response bytes after it wait for it
-DURABLE = web.RequestKey("turn_durable", asyncio.Future)
+
+
+@dataclass
+class Failed:
+    """The generation ended before its end (engine error, stalled reader, shutdown): the last
+    of `Call.events()`. `error` is what the client hears, as a stream's error event."""
+
+    error: APIError
+
+
+@dataclass
+class Kept:
+    """The response an earlier attempt with this X-Request-Id got: sent again by the dialect,
+    nothing generated or recorded."""
+
+    body: dict
+    events: list[bytes] | None  # the SSE payloads it sent; None when it was not streamed
 
 
 @dataclass
@@ -79,29 +92,33 @@ class Call:
     gen: Generation
     place: Placement | None  # session, thread, turn type; None when it opted out of recording
     headers: dict[str, str] = field(default_factory=dict)  # response headers (X-Session-Id ...)
-    turn: Turn | None = None  # set by file_turn
-    durable: asyncio.Future | None = None  # set by file_turn: done once the turn is on disk
-    kept_body: dict | None = None  # the body file_turn was given, for a repeat (serve_turn)
+    turn: Turn | None = None  # set by file
+    durable: asyncio.Future | None = None  # set by file: done once the turn is on disk
+    kept: dict | None = None  # set by file: {"body", "events"} for a repeat of its request id
 
     @property
     def session(self) -> Session | None:
         return self.place.session if self.place else None
 
-    async def events(self):
+    async def events(self) -> AsyncIterator[ChoiceEvent | Failed]:
         """The generation's events, as a writer shows them: with `parallel_tool_calls: false`
-        a choice keeps its first tool call only (its record keeps every sampled token)."""
-        async for ev in self.gen.events():
-            if not self.req.parallel_tool_calls:
-                first_tool_call_only(ev, self.gen.texts[ev.index].tool_calls,
-                                     self.gen.records[ev.index])
-            yield ev
+        a choice keeps its first tool call only (its record keeps every sampled token). A
+        generation that does not reach its end ends them with one `Failed`."""
+        try:
+            async for ev in self.gen.events():
+                if not self.req.parallel_tool_calls:
+                    first_tool_call_only(ev, self.gen.texts[ev.index].tool_calls,
+                                         self.gen.records[ev.index])
+                yield ev
+        except (EngineFailure, Interrupted) as e:
+            yield Failed(generation_error(e))
 
-    def file_turn(self, body: dict | None = None) -> asyncio.Future:
-        """File the finished turn; a writer calls it before the response's last bytes, and may
-        `await` what it returns (done once the turn is on disk; the response waits for it in
-        any case). `body`: the response's body, kept for a repeat of its X-Request-Id should
-        the response not reach its client after this."""
-        self.kept_body = body
+    def file(self, body: dict, events: list[bytes] | None = None) -> asyncio.Future:
+        """File the finished turn; the writer awaits what this returns before the reply's last
+        bytes: done once the turn is on disk, or raising WriteFailed when the disk refused it.
+        `body` (and a stream's `events`: the list its writer goes on appending to until the
+        stream ends) is what a repeat of this X-Request-Id gets."""
+        self.kept = {"body": body, "events": events}
         if self.session is None:
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
@@ -129,24 +146,22 @@ class Call:
         self.durable = asyncio.wrap_future(store.complete(self.place, turn,
                                                           self.tags.session_done))
         self.turn = turn
-        self.request[DURABLE] = self.durable
         self.headers["X-Turn-Uid"] = turn.uid
         kept = asyncio.shield(self.durable)  # a writer cancelled while it waits: still filed
-        # a writer need not await it (the response waits for `durable`, and a failure surfaces
-        # there as a 507): no "Future exception was never retrieved"
+        # a writer gone before it awaited: no "Future exception was never retrieved"
         kept.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.durable.add_done_callback(lambda f: unacknowledged(f, turn))
         return kept
 
     def kept_after_failure(self) -> dict | None:
         """What a repeat of a response that failed after its turn was filed gets: the body
-        file_turn was given, so the turn is not generated or recorded twice. None when no turn
+        `file` was given, so the turn is not generated or recorded twice. None when no turn
         was filed, or it is not on disk (writing it failed)."""
         d = self.durable
-        if self.turn is None or self.kept_body is None or d is None or not d.done() or (
+        if self.turn is None or self.kept is None or d is None or not d.done() or (
                 d.cancelled() or d.exception() is not None):
             return None
-        return {"body": self.kept_body, "events": None}
+        return {"body": self.kept["body"], "events": None}
 
 
 def unacknowledged(durable: asyncio.Future, turn: Turn) -> None:
@@ -173,17 +188,12 @@ def first_tool_call_only(ev: ChoiceEvent, parsed: list[dict], rec: ChoiceRecord)
         rec.tool_calls = rec.tool_calls[:1]
 
 
-# write(call) -> (the response, what to keep for an idempotent retry or None when it failed)
-Write = Callable[[Call], Awaitable[tuple[web.StreamResponse, object | None]]]
-# replay(request, req, kept) -> the kept response sent again, nothing generated or recorded
-Replay = Callable[[web.Request, ChatRequest, object], Awaitable[web.StreamResponse]]
-
-
+@asynccontextmanager
 async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api: str,
-                     write: Write, replay: Replay,
-                     thread_hint: str | None = None) -> web.StreamResponse:
-    """Run one turn of any dialect. `thread_hint` names the thread a chained request
-    (Responses' previous_response_id) continues, for the session store."""
+                     thread_hint: str | None = None) -> AsyncIterator[Call | Kept]:
+    """One turn of any dialect: `async with serve_turn(...) as call`, then the dialect writes
+    its reply from `call` (or sends a `Kept` one again). `thread_hint` names the thread a
+    chained request (Responses' previous_response_id) continues, for the session store."""
     app = request.app
     settings, store = app[SETTINGS], app[SESSIONS]
     if settings.server.strict_model_names and req.model not in served_names(app):
@@ -192,21 +202,25 @@ async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api
     # Keyed per API: a retry comes back through the door it first used, in that door's shape.
     replay_key = f"{api}:{tags.request_id}" if tags.request_id and not tags.opt_out else None
     if replay_key is None:
-        call = await make_call(request, req, tags, api, thread_hint)
-        return (await run_call(call, write))[0]
+        async with running(await make_call(request, req, tags, api, thread_hint)) as call:
+            yield call
+        return
     while (kept := store.stored_response(replay_key)) is not None:
         if not isinstance(kept, asyncio.Future):
-            return await replay(request, req, kept)
+            yield Kept(**kept)
+            return
         # Another attempt is running: wait for it (a client that gives up leaves it running).
         # If it fails, the first waiter to wake claims the key and the others wait for that one.
         if (kept := await asyncio.shield(kept)) is not None:
-            return await replay(request, req, kept)
+            yield Kept(**kept)
+            return
     store.start_response(replay_key)  # no await since the check above: this attempt owns it
     call, kept = None, None
     try:
         call = await make_call(request, req, tags, api, thread_hint)
-        resp, kept = await run_call(call, write)
-        return resp
+        async with running(call):
+            yield call
+        kept = call.kept
     finally:
         if kept is None and call is not None:  # filed, then its client went away?
             if call.durable is not None and not call.durable.done():
@@ -243,9 +257,10 @@ async def make_call(request: web.Request, req: ChatRequest, tags: TurnTags, api:
                 {"X-Session-Id": place.session.id} if place else {})
 
 
-async def run_call(call: Call, write: Write) -> tuple[web.StreamResponse, object | None]:
-    """Generate and write one turn (the dialect files it): the response, and what to keep for
-    a repeat (None when it failed)."""
+@asynccontextmanager
+async def running(call: Call) -> AsyncIterator[Call]:
+    """While the dialect writes: a shutdown whose drain ran out interrupts the generation;
+    after it, whatever a gone client left running is cancelled, and the call is counted."""
     stopping = call.request.app.get(STOPPING)
     watch = None
     if stopping is not None:  # the shutdown drain ran out: end this request now
@@ -253,10 +268,7 @@ async def run_call(call: Call, write: Write) -> tuple[web.StreamResponse, object
         watch.add_done_callback(lambda f: f.cancelled() or call.gen.interrupt("shutdown"))
     stalled = False
     try:
-        resp, kept = await write(call)
-        if call.durable is not None:  # a whole body goes out after this: on disk first
-            await asyncio.shield(call.durable)
-        return resp, kept
+        yield call
     except ClientStalled:
         stalled = True
         raise
@@ -274,16 +286,16 @@ async def run_call(call: Call, write: Write) -> tuple[web.StreamResponse, object
 
 
 async def drain(call: Call) -> list[ChoiceEvent]:
-    """Run every choice to its end for a non-streamed response; all events, in order."""
+    """Run every choice to its end for a non-streamed response; all events, in order (a
+    generation that did not end raises its APIError)."""
     events = []
-    try:
-        async for ev in call.events():
-            events.append(ev)
-            transport = call.request.transport
-            if transport is None or transport.is_closing():
-                raise ConnectionResetError("client went away")
-    except (EngineFailure, Interrupted) as e:
-        raise generation_error(e) from None
+    async for ev in call.events():
+        if isinstance(ev, Failed):
+            raise ev.error
+        events.append(ev)
+        transport = call.request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("client went away")
     return events
 
 
@@ -303,90 +315,3 @@ def generation_error(e: EngineFailure | Interrupted) -> APIError:
     if isinstance(e, EngineFailure) and e.status == 400:  # parameters it cannot apply
         return APIError(400, str(e), code="unsupported_parameter")
     return APIError(500, f"generation failed: {e}", type="server_error")
-
-
-async def replay_kept(request: web.Request, req: ChatRequest, kept: dict,
-                      body_as_events: Callable[[dict], list[bytes]]) -> web.StreamResponse:
-    """A repeated X-Request-Id: the kept response again, nothing generated or recorded. `kept`
-    is a writer's {"body", "events": the SSE payloads sent, or None when not streamed};
-    `body_as_events` re-sends a non-streamed body to a streaming retry, in the dialect's shape.
-    A dialect passes it in with functools.partial as its `Replay`."""
-    headers = {"X-Idempotent-Replay": "true"}
-    if not req.stream:
-        return json_response(kept["body"], headers=headers)
-    resp = await open_sse(request, headers)
-    for payload in kept["events"] or body_as_events(kept["body"]):
-        await resp.write(payload)
-    await resp.write_eof()
-    return resp
-
-
-class ClientStalled(ConnectionResetError):
-    """A streaming client took no bytes for --stall-timeout-s; its connection is aborted."""
-
-
-class SseResponse(web.StreamResponse):
-    """A text/event-stream response whose bytes written after its request's turn was filed
-    wait until the turn is on disk: the finish events, `[DONE]` and the end of the stream
-    never reach a client before a crash could no longer lose the turn. A write the client
-    does not take within --stall-timeout-s aborts the connection (ClientStalled): aiohttp's
-    write waits for the socket to drain, with no limit of its own."""
-
-    def __init__(self, request: web.Request, headers: dict[str, str]):
-        super().__init__(headers=headers)
-        self.for_request = request
-        self.stall_timeout_s = request.app[SETTINGS].server.stall_timeout_s
-        # the dialect's error event for a turn the disk refused (507 insufficient_storage):
-        # written instead of the stream's end, which would claim a turn that was not kept
-        self.on_disk_full: Callable[[APIError], Awaitable[None]] | None = None
-        self.disk_full: WriteFailed | None = None
-
-    async def _send(self, send, data) -> None:
-        try:
-            async with asyncio.timeout(self.stall_timeout_s):
-                await send(data)
-                if self._payload_writer is not None:  # aiohttp drains every 64 KiB only
-                    await self._payload_writer.drain()  # waits while over the high-water mark
-        except TimeoutError:
-            transport = self.for_request.transport
-            if transport is not None:
-                transport.abort()  # close() would wait for the unread bytes forever
-            raise ClientStalled(f"the client read nothing for {self.stall_timeout_s:g} s") \
-                from None
-
-    async def _turn_on_disk(self) -> None:
-        durable = self.for_request.get(DURABLE)
-        if durable is None or self.disk_full is not None:
-            return
-        try:
-            await asyncio.shield(durable)
-        except WriteFailed as e:  # the turn was not kept: say so in the stream, then end it
-            if self.on_disk_full is None:
-                raise
-            self.disk_full = e
-            await self.on_disk_full(disk_full_error(e))
-            await self._send(super().write_eof, b"")
-            raise StreamEnded(self) from e
-
-    async def write(self, data) -> None:
-        await self._turn_on_disk()
-        await self._send(super().write, data)
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        await self._turn_on_disk()
-        await self._send(super().write_eof, data)
-
-
-async def open_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
-    """A prepared text/event-stream response (an `SseResponse`)."""
-    resp = SseResponse(request, {"Content-Type": "text/event-stream",
-                                 "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                 **headers})
-    await resp.prepare(request)
-    transport = request.transport
-    if transport is not None:  # the client went away: the first write will say so
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SSE_SEND_BUFFER)
-        transport.set_write_buffer_limits(high=SSE_SEND_BUFFER)
-    return resp

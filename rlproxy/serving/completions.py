@@ -4,7 +4,7 @@ Owns: a request's prompt (serving/chat_template.py renders it), token budgets, p
 (streaming detokenization, stop strings, `<tool_call>` blocks turned into `tool_calls`,
 logprobs), the exact token record of each choice, and delivery from the engine thread with a
 bounded backlog (`Generation`, MAX_BACKLOG: a reader that falls behind is stopped, not
-buffered). Does not own HTTP (app.py) or the model (serving/engine.py).
+buffered). Does not own HTTP (api/) or the model (serving/engine.py).
 
 The text of a choice as it streams (stop strings, tool calls, reasoning, token bytes) is
 serving/choice_text.py's.
@@ -128,7 +128,7 @@ class Interrupted(Exception):
 
 
 # Steps one choice may have decoded and not yet handed to its writer. A stream whose client
-# stops reading fills its socket's send buffers (~150 chunks with turns.SSE_SEND_BUFFER), then
+# stops reading fills its socket's send buffers (~150 chunks with streams.SSE_SEND_BUFFER), then
 # its writer blocks and steps pile up here; past this many the engine stops decoding it, so a
 # stalled reader holds neither a batch slot nor memory (~0.5 KB a step) while it waits out
 # --stall-timeout-s. Streams that are read peaked at 2 queued steps (bench/stalled_clients.py,
@@ -173,17 +173,17 @@ class Generation:
         self._produced, self._consumed = [0] * len(params), [0] * len(params)
         self._cut = [False] * len(params)
         self._behind_since: list[float | None] = [None] * len(params)  # the engine thread's
-        self.jobs = []
-        for i, p in enumerate(params):
-            job = Job(prompt.ids, p, None)
-            job.deliver = functools.partial(self._deliver, i, job)
-            self.jobs.append(engine.submit(job))
+        # every job exists before the first is submitted: _deliver finds its own by index
+        self.jobs = [Job(prompt.ids, p, functools.partial(self._deliver, i))
+                     for i, p in enumerate(params)]
+        for job in self.jobs:
+            engine.submit(job)
         self.records = [ChoiceRecord(index=i, seed=j.params.seed) for i, j in enumerate(self.jobs)]
         self.started = time.time()
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
 
-    def _deliver(self, i: int, job: Job, step) -> None:
+    def _deliver(self, i: int, step) -> None:
         """On the engine thread: queue one step, or stop a choice whose reader fell behind."""
         if self._cut[i]:
             return  # decoded before the cancel reached the engine
@@ -197,7 +197,7 @@ class Generation:
         since = self._behind_since[i] = self._behind_since[i] or now
         if now - since >= BACKLOG_GRACE_S or backlog > HARD_BACKLOG:
             self._cut[i] = True
-            self.engine.cancel(job)
+            self.engine.cancel(self.jobs[i])
             self._loop.call_soon_threadsafe(self.queue.put_nowait, (i, _STALLED))
 
     @property
