@@ -215,8 +215,9 @@ def test_serve_with_a_misfit_peft_adapter_exits_2_with_one_line(tmp_path):
 @pytest.mark.slow
 def test_gguf_export_of_smollm2_loads_back_with_the_same_logprobs(tmp_path):
     """SmolLM2 (llama, from its GGUF file) + a LoRA on 2 blocks -> one float16 GGUF that
-    `--model file.gguf` serves. Measured: max |d logprob| 1.8e-3 over 15 tokens (float16
-    weights); the bound is 1e-2, the adapter itself moves them by 0.5."""
+    `--model file.gguf` serves. Measured: max |d logprob| 1.0e-2 over 15 tokens (every weight
+    rounded to float16 once, against the exact float32 base; 1.8e-3 while the served base was
+    itself float16-rounded); the bound is 2e-2, the adapter itself moves them by 0.5."""
     from mlx.utils import tree_unflatten
 
     from rlproxy.serving.model import save_adapter
@@ -233,7 +234,7 @@ def test_gguf_export_of_smollm2_loads_back_with_the_same_logprobs(tmp_path):
     tokens = m.tokenizer.encode("The capital of France is Paris, and of Italy, Rome.")
     assert back.tokenizer.encode("The capital of France is Paris, and of Italy, Rome.") == tokens
     a, b = sequence_logprobs(m.model, tokens), sequence_logprobs(back.model, tokens)
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2
+    assert max(abs(x - y) for x, y in zip(a, b)) < 2e-2
 
 
 def test_a_hub_id_that_cannot_be_fetched_is_one_line(tmp_path, capsys):
