@@ -34,25 +34,21 @@ only its server, not a shared machine.
 import rlproxy  # noqa: F401, I001  (first: preloads OpenBLAS before anything imports mlx)
 
 import argparse
-import json
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 from openai import OpenAI
 
 import agent_workload as work
-from common import environment, percentile, proc_memory_mb, report, spawn_server
+from common import environment, percentile, proc_memory_mb, report
+from rlproxy.ops.served import Served
 from rlproxy.records import read_jsonl
 
 TTFT_GOAL = 2.0  # TTFT with training on / off, p50 and p95, at most
@@ -73,63 +69,28 @@ def reward(turn, next_state):
 '''
 
 
-class Server:
-    """One `rlproxy serve` subprocess: its URL, data dir, freezes, RSS samples and step times."""
+class Server(Served):
+    """One `rlproxy serve` subprocess (its URL, data dir, freeze and thaw: rlproxy/ops/served.py),
+    its client, and what this bench samples of it: RSS and when each step's line appeared."""
 
     def __init__(self, name: str, train: bool, root: Path, args: argparse.Namespace):
-        self.name, self.train, self.data_dir = name, train, root / name
-        with socket.socket() as s:  # a free port (the tiny race with other programs is fine)
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "rlproxy.cli", "serve", "--model", args.model,
-               "--port", str(self.port),
-               "--data-dir", str(self.data_dir), "--no-judge", "--no-at-least-one",
-               "--reward-function", "bench_reward:reward", "--batch-size", str(args.batch_size),
-               "--save-interval", "1000000", "--no-fsync", "--log-level", "WARNING",
-               *([] if train else ["--no-train"]), *args.serve_arg]
-        self.proc, self.log = spawn_server(cmd, root, self.data_dir, args.server_memory_gb)
+        self.name, self.train = name, train
+        super().__init__(
+            root / name, "--no-judge", "--no-at-least-one", "--reward-function",
+            "bench_reward:reward", "--batch-size", str(args.batch_size), "--save-interval",
+            "1000000", "--no-fsync", "--log-level", "WARNING", *([] if train else ["--no-train"]),
+            *args.serve_arg, model=args.model, log=root / name / "server.log",
+            python_path=(root,), memory_gb=args.server_memory_gb, wait_s=None)
         self.client = OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
                              timeout=args.request_timeout)
         self.train_batch = args.batch_size
-        self.frozen_at: float | None = None
-        self.freezes: list[tuple[float, float]] = []
         self.rss: list[tuple[float, float]] = []  # (seconds since start, MB)
         self.hwm_mb = 0.0  # VmHWM: the kernel's own peak, between samples too
         self.step_seen: dict[int, float] = {}  # step -> when its training.jsonl line appeared
 
-    def wait_ready(self, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited with {self.proc.returncode}: "
-                                   f"{self.log.read_text()[-2000:]}")
-            if self.health() is not None:
-                return
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} server not ready in {timeout_s} s")
-
-    def health(self) -> dict | None:
-        try:
-            with urllib.request.urlopen(f"{self.url}/healthz", timeout=5) as r:
-                return json.loads(r.read())
-        except Exception:  # down, starting, or answering 503: not healthy
-            return None
-
-    def freeze(self) -> None:
-        if self.frozen_at is None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGSTOP)
-            self.frozen_at = time.time()
-
-    def thaw(self) -> None:
-        if self.frozen_at is not None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.freezes.append((self.frozen_at, time.time()))
-            self.frozen_at = None
-
     def trainer_idle(self) -> bool:
         """No released turn left untrained (or the trainer is gone)."""
-        h = self.health()
+        h = self.health(timeout_s=5)
         if h is None or not h["trainer"].get("enabled") or not h["trainer"].get("alive"):
             return True
         t, released = h["trainer"], h["scoring"].get("released", 0)
@@ -151,17 +112,6 @@ class Server:
         for line in read_jsonl(self.data_dir / "training.jsonl"):
             if line.get("kind") == "step":
                 self.step_seen.setdefault(line["step"], time.time())
-
-    def stop(self) -> int | None:
-        self.thaw()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # a long step holds the shutdown: not our figure
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 def stream_turn(server: Server, messages: list[dict], tools: list[dict], headers: dict,
@@ -288,8 +238,8 @@ def run(args: argparse.Namespace) -> dict:
     threading.Thread(target=sampler, daemon=True).start()
     requests, last_messages, waits, end, cold, warmup = [], [], [], {}, [], None
     try:
-        off.wait_ready()
-        on.wait_ready()
+        off.wait_healthy(180)
+        on.wait_healthy(180)
         warm = [{"role": "system", "content": work.SYSTEM_PROMPT},
                 {"role": "user", "content": "hello"}]
         on.freeze()  # nothing else on the CPUs while the baseline prefill is timed
@@ -312,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
                                  for r in results), flush=True)
             on.thaw()
         waits.append(on.wait_trainer(args.final_wait))
-        end = {s.name: s.health() for s in (off, on)}
+        end = {s.name: s.health(timeout_s=5) for s in (off, on)}
         on.freeze()
         # Both samples back to back, so the machine's load (shared here) is the same for both.
         cold = [cold_prefill(off, warm, tools), cold_prefill(off, max(last_messages, key=len),
@@ -324,7 +274,7 @@ def run(args: argparse.Namespace) -> dict:
         exit_codes = {s.name: (s.proc.returncode if s.proc.poll() is not None else None)
                       for s in (off, on)}
         for s in (off, on):
-            s.stop()
+            s.stop(timeout_s=30)  # a long step holds the shutdown: not our figure
     steps = step_figures(on, prefill_model(cold))
     not_trained = [x for x in read_jsonl(on.data_dir / "training.jsonl")
                    if x.get("kind") in ("skipped", "quarantined")]

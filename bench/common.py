@@ -1,10 +1,12 @@
 """What every benchmark shares: the result's environment block, percentiles, the server, the report.
 
 It owns the JSON keys that say where a figure was taken (timestamp, model, BLAS, versions,
-machine and its load, settings), starting the real app on a free port, and printing and writing
-a result. It knows nothing about what any benchmark measures: each script builds its own
-figures, summary lines and flags. Scripts import it as `from common import ...` (run as
-`python bench/NAME.py`, their own folder is on sys.path).
+machine and its load, settings), starting the real app in this process on a free port, and
+printing and writing a result. It knows nothing about what any benchmark measures: each script
+builds its own figures, summary lines and flags. Scripts import it as `from common import ...`
+(run as `python bench/NAME.py`, their own folder is on sys.path). `rlproxy serve` as a
+subprocess (a free port, a wait until healthy, freeze and thaw, stop) is
+rlproxy/ops/served.py's, which the tests use too.
 """
 
 import rlproxy  # noqa: I001  (first: preloads OpenBLAS before anything imports mlx)
@@ -12,8 +14,6 @@ import rlproxy  # noqa: I001  (first: preloads OpenBLAS before anything imports 
 import json
 import os
 import platform
-import resource
-import subprocess
 from datetime import datetime, timezone
 from importlib.metadata import version
 from pathlib import Path
@@ -97,17 +97,3 @@ def report(lines: list[str], result: dict, out: Path) -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 
-
-def spawn_server(cmd: list[str], root: Path, data_dir: Path, memory_gb: float):
-    """`rlproxy serve` as a subprocess: ROOT on its PYTHONPATH (a reward module written there),
-    its output in DATA_DIR/server.log, its address space capped at MEMORY_GB (an OOM kills the
-    server, not the machine). (the process, the log's path)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(root), os.environ.get("PYTHONPATH", "")])}
-    limit = int(memory_gb * 2**30)
-    data_dir.mkdir(parents=True)
-    log = data_dir / "server.log"
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
-    return proc, log

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import requests
 
-from vs_mlx_lm import free_port, start, stop_all, wait_ready  # noqa: I001  (bench/: the script dir)
+from vs_mlx_lm import start, stop_all, wait_ready  # noqa: I001  (bench/: the script dir)
 from vs_peers import write_adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from rlproxy.ops.served import free_port  # noqa: E402
 from rlproxy.serving.blas import blas_in_use  # noqa: E402
 from rlproxy.serving.model import resolve_source  # noqa: E402
 

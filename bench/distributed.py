@@ -27,7 +27,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import mlx.core as mx
 
 from agent_workload import SYSTEM_PROMPT, TOOLS, tool_call, tool_result
 from common import environment, report
+from rlproxy.ops.served import free_ports
 
 COMPLETION = 256
 
@@ -125,12 +125,6 @@ def run_rank(args) -> None:
         "gradient_bytes": n_params * 4, "reduced_bytes_per_step": timed[-1]["reduced_bytes"],
         "sent_bytes_per_step": timed[-1]["sent_bytes"],
         "bare_all_sum_s": bare}), flush=True)
-
-
-def free_ports(n: int) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1] if s.getsockname()[1] + n < 65535 else 40000
 
 
 def measure(args, ranks: int) -> dict:

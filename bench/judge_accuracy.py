@@ -42,13 +42,13 @@ import argparse
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from rlproxy.ops.served import free_port
 from rlproxy.scoring import judging
 from rlproxy.scoring.judges import LocalJudge, RemoteJudge
 from rlproxy.settings import PRM_PROMPTS_DIR, ModelSettings, ScoringSettings
@@ -242,12 +242,6 @@ async def judge_votes(judge, prompts: dict, cases: list[dict], m: int, max_token
                                            if valid else None),
                      "reward": r if r != 0 else None, "votes": votes, "seconds": seconds})
     return rows
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MlxLmServer:

@@ -58,8 +58,6 @@ import math
 import os
 import random
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -70,8 +68,9 @@ from pathlib import Path
 from statistics import mean, median, stdev
 
 import learn_task as task
-from common import environment, proc_memory_mb, report, spawn_server
+from common import environment, proc_memory_mb, report
 from learn_report import plot, point_line, summary_lines
+from rlproxy.ops.served import Served
 from rlproxy.records import read_jsonl
 
 Z95 = 1.959964  # two-sided 95% normal quantile
@@ -87,38 +86,21 @@ SCORING = {  # each mode's scoring flags; --serve-arg comes after them, so it ca
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:  # the tiny race with other programs is fine
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One training `rlproxy serve` subprocess: requests, pause/resume, steps and memory."""
+class Server(Served):
+    """One training `rlproxy serve` subprocess (rlproxy/ops/served.py's): requests,
+    pause/resume, steps and memory."""
 
     def __init__(self, mode: str, root: Path, args: argparse.Namespace):
-        self.data_dir, self.port = root / mode, free_port()
-        self.url, self.timeout = f"http://127.0.0.1:{self.port}", args.request_timeout
-        self.cmd = [sys.executable, "-m", "rlproxy.cli", "serve", "--model", args.model,
-                    "--port", str(self.port), "--data-dir", str(self.data_dir),
-                    "--no-at-least-one", "--batch-size", str(args.batch_size),
-                    "--learning-rate", str(args.lr), "--baseline", args.baseline,
-                    "--save-interval", "1000000", "--no-fsync", "--log-level", "WARNING",
-                    *SCORING[mode], *args.serve_arg]
-        self.proc, self.log = spawn_server(self.cmd, root, self.data_dir,
-                                           args.server_memory_gb)
+        super().__init__(
+            root / mode, "--no-at-least-one", "--batch-size", str(args.batch_size),
+            "--learning-rate", str(args.lr), "--baseline", args.baseline, "--save-interval",
+            "1000000", "--no-fsync", "--log-level", "WARNING", *SCORING[mode], *args.serve_arg,
+            model=args.model, log=root / mode / "server.log", python_path=(root,),
+            memory_gb=args.server_memory_gb, wait_s=None)
+        self.timeout = args.request_timeout
         self.hwm_mb = 0.0  # the kernel's own peak (VmHWM), read while the process lives
         self.rss: list[tuple[float, float]] = []  # (s since start, MB)
         self.started = time.monotonic()
-
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.alive_or_raise()
-            if self.health() is not None:
-                return
-            time.sleep(1.0)
-        raise RuntimeError(f"server not ready in {timeout_s:.0f} s; log: {self.log}")
 
     def alive_or_raise(self) -> None:
         if self.proc.poll() is not None:
@@ -135,13 +117,6 @@ class Server:
     def chat(self, messages: list[dict], headers: dict, **params) -> dict:
         return self.post("/v1/chat/completions",
                             {"model": "learn", "messages": messages, **params}, headers)
-
-    def health(self) -> dict | None:
-        try:
-            with urllib.request.urlopen(f"{self.url}/healthz", timeout=10) as r:
-                return json.loads(r.read())
-        except (OSError, ValueError):  # down, starting, or answering 503
-            return None
 
     def steps(self) -> list[dict]:
         return [x for x in read_jsonl(self.data_dir / "training.jsonl") if x.get("kind") == "step"]
@@ -169,15 +144,6 @@ class Server:
                 return h
             time.sleep(0.5)
         raise RuntimeError(f"the trainer did not settle in {timeout_s:.0f} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class Traffic:
@@ -321,7 +287,7 @@ def run_mode(mode: str, root: Path, held: list, train: list, args) -> dict:
     curve, traffic_totals, train_s, t0 = [], {"sessions": 0, "errors": []}, 0.0, None
     end_health = None
     try:
-        server.wait_ready()
+        server.wait_healthy(600)
         t0 = time.monotonic()
         server.post("/v1/training/pause")
         phase = 0
@@ -358,7 +324,7 @@ def run_mode(mode: str, root: Path, held: list, train: list, args) -> dict:
     times = [s["step_time_s"] for s in steps]
     compute = [s["step_time_s"] - s.get("yielded_s", 0.0) for s in steps]
     result = {
-        "mode": mode, "serve_cmd": server.cmd[2:], "curve": curve,
+        "mode": mode, "serve_cmd": server.command[2:], "curve": curve,
         "train_minutes": train_s / 60, "wall_minutes": (time.monotonic() - t0) / 60 if t0 else None,
         "steps": len(steps),
         "skipped_batches": sum(x.get("kind") == "skipped" and "advantage" in x.get("reason", "")

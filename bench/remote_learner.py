@@ -28,9 +28,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,9 +38,8 @@ import openai
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, percentile, report, spawn_server  # noqa: E402
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from serve_process import free_port, wait_healthy  # noqa: E402
+from common import environment, percentile, report  # noqa: E402
+from rlproxy.ops.served import Served  # noqa: E402
 
 REWARD = '''
 def reward(turn, next_state):
@@ -58,26 +55,11 @@ def pinned(cores: str | None) -> list[str]:
     return ["taskset", "-c", cores] if cores and shutil.which("taskset") else []
 
 
-class Proc:
-    def __init__(self, root: Path, name: str, flags: list[str], cores: str | None, model: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.data = root / name
-        cmd = [*pinned(cores), sys.executable, "-m", "rlproxy.cli", "serve", "--model", model,
-               "--port", str(self.port), "--data-dir", str(self.data), "--no-fsync", *flags]
-        os.environ.update(TINKER_API_KEY=KEY, TINKER_TELEMETRY="0")
-        self.proc, self.log = spawn_server(cmd, root, self.data, memory_gb=12)
-        wait_healthy(self.proc, self.url, self.log, 600)
-
-    def health(self) -> dict:
-        return requests.get(self.url + "/healthz", timeout=30).json()
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def serve(root: Path, name: str, flags: list[str], cores: str | None, model: str) -> Served:
+    """`rlproxy serve` NAME (its data dir ROOT/NAME; pinned to CORES), once healthy."""
+    return Served(root / name, "--no-fsync", *flags, model=model, log=root / name / "server.log",
+                  python_path=(root,), env={"TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"},
+                  memory_gb=12, wrap=pinned(cores), wait_s=600)
 
 
 def ttft(client: openai.OpenAI, n: int) -> float:
@@ -94,7 +76,7 @@ def ttft(client: openai.OpenAI, n: int) -> float:
     return first if first is not None else time.perf_counter() - tic
 
 
-def release_batch(server: Proc, rnd: int, batch: int) -> None:
+def release_batch(server: Served, rnd: int, batch: int) -> None:
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     for i in range(batch):
         sid = f"round{rnd}-turn{i}"
@@ -107,26 +89,26 @@ def release_batch(server: Proc, rnd: int, batch: int) -> None:
                       timeout=60).raise_for_status()
 
 
-def phase(server: Proc, replica: bool, rounds: int, batch: int) -> dict:
+def phase(server: Served, replica: bool, rounds: int, batch: int) -> dict:
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     for n in range(3):  # warm the path
         ttft(c, -1 - n)
     idle, busy, served, syncs = [], [], [], []
     for rnd in range(rounds):
         idle += [ttft(c, rnd * 100 + k) for k in range(5)]
-        v0 = server.health()["adapter_version"]
+        v0 = server.health(30)["adapter_version"]
         release_batch(server, rnd, batch)
         t0, k = time.perf_counter(), 0
-        while server.health()["adapter_version"] == v0:
+        while server.health(30)["adapter_version"] == v0:
             busy.append(ttft(c, rnd * 100 + 50 + k))
             k += 1
             if time.perf_counter() - t0 > 300:
-                raise RuntimeError(f"no new version in 300 s: {server.health()['trainer']}")
+                raise RuntimeError(f"no new version in 300 s: {server.health(30)['trainer']}")
         served.append(time.perf_counter() - t0)
         if replica:
-            t = server.health()["trainer"]
+            t = server.health(30)["trainer"]
             syncs.append({"bytes": t["last_sync_bytes"], "seconds": t["last_sync_s"]})
-    lines = [json.loads(x) for x in (server.data / "training.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (server.data_dir / "training.jsonl").read_text().splitlines()]
     steps = [ln for ln in lines if ln["kind"] == "step"]
     pauses = [ln["previous_swap_pause_ms"] for ln in steps[1:]
               if ln.get("previous_swap_pause_ms") is not None]
@@ -162,22 +144,22 @@ def main() -> None:
     (root / "bench_reward.py").write_text(REWARD)
     result = {}
     try:
-        local = Proc(root, "local", common, serve_cores, args.model)
+        local = serve(root, "local", common, serve_cores, args.model)
         try:
             result["local"] = phase(local, False, args.rounds, args.batch_size)
         finally:
-            local.stop()
-        learner = Proc(root, "learner", ["--no-train"], learner_cores, args.model)
+            local.stop(timeout_s=120)
+        learner = serve(root, "learner", ["--no-train"], learner_cores, args.model)
         try:
-            replica = Proc(root, "replica", [
+            replica = serve(root, "replica", [
                 *common, "--trainer", "tinker", "--tinker-url", learner.url, "--tinker-run",
                 f"bench-{int(time.time())}"], serve_cores, args.model)
             try:
                 result["remote"] = phase(replica, True, args.rounds, args.batch_size)
             finally:
-                replica.stop()
+                replica.stop(timeout_s=120)
         finally:
-            learner.stop()
+            learner.stop(timeout_s=120)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     lo, re = result["local"], result["remote"]

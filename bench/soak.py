@@ -35,10 +35,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -49,6 +45,7 @@ from pathlib import Path
 import aiohttp
 
 from common import environment, percentile, proc_memory_mb, report
+from rlproxy.ops.served import Served
 from rlproxy.paths import CONVERSATIONS, PENDING
 from rlproxy.records import load_pending, read_jsonl
 
@@ -66,66 +63,26 @@ KINDS = ("short", "agent", "drop", "replay", "inferred")
 WEIGHTS = {"agent": 4, "drop": 1, "replay": 2, "inferred": 1}  # short sessions: paced apart
 
 
-class Server:
-    """One `rlproxy serve` subprocess, its settings given as RLPROXY_* variables."""
-
-    def __init__(self, args: argparse.Namespace, root: Path):
-        self.data_dir = root / "data"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        repo = Path(args.repo).resolve()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RLPROXY_")}
-        env |= {"PYTHONPATH": os.pathsep.join([str(root), str(repo)]), "PYTHONUNBUFFERED": "1",
-                "RLPROXY_JUDGE": "false", "RLPROXY_REWARD_FUNCTIONS": "soak_reward:reward",
-                "RLPROXY_TRAIN": "false" if args.no_train else "true",
-                "RLPROXY_BATCH_SIZE": str(args.batch_size), "RLPROXY_FSYNC": "true",
-                "RLPROXY_SAVE_INTERVAL": "1000000",
-                "RLPROXY_SESSION_IDLE_TIMEOUT_S": str(args.idle_timeout_s),
-                "RLPROXY_MAX_OPEN_SESSIONS": str(args.max_open_sessions),
-                "RLPROXY_PREFIX_CACHE_MEMORY_MB": str(args.prefix_cache_memory_mb)}
-        if "RLPROXY_CACHE_DIR" in os.environ:
-            env["RLPROXY_CACHE_DIR"] = os.environ["RLPROXY_CACHE_DIR"]
-        self.data_dir.mkdir(parents=True)
-        self.log = root / "server.log"
-        cmd = [sys.executable, "-m", "rlproxy.cli", "serve", "--model", args.size,
-               "--port", str(self.port), "--data-dir", str(self.data_dir),
-               "--log-level", "WARNING", *args.serve_arg]
-        self.proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}: "
-                                   f"{self.log.read_text()[-3000:]}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/healthz")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not ready in {timeout_s} s")
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+def serve(args: argparse.Namespace, root: Path) -> Served:
+    """`rlproxy serve` from the checkout at --repo, its settings given as RLPROXY_* variables;
+    not waited for."""
+    repo = Path(args.repo).resolve()
+    env = {"RLPROXY_JUDGE": "false", "RLPROXY_REWARD_FUNCTIONS": "soak_reward:reward",
+           "RLPROXY_TRAIN": "false" if args.no_train else "true",
+           "RLPROXY_BATCH_SIZE": str(args.batch_size), "RLPROXY_FSYNC": "true",
+           "RLPROXY_SAVE_INTERVAL": "1000000",
+           "RLPROXY_SESSION_IDLE_TIMEOUT_S": str(args.idle_timeout_s),
+           "RLPROXY_MAX_OPEN_SESSIONS": str(args.max_open_sessions),
+           "RLPROXY_PREFIX_CACHE_MEMORY_MB": str(args.prefix_cache_memory_mb)}
+    return Served(root / "data", "--log-level", "WARNING", *args.serve_arg, model=args.size,
+                  log=root / "server.log", env=env, python_path=(root, repo), cwd=repo,
+                  wait_s=None)
 
 
 class Sampler(threading.Thread):
     """/healthz every ~100 ms over its own keep-alive connection, and RSS every second."""
 
-    def __init__(self, server: Server, t0: float):
+    def __init__(self, server: Served, t0: float):
         super().__init__(daemon=True)
         self.server, self.t0, self.stop = server, t0, threading.Event()
         self.health: list[tuple[float, float, int]] = []  # (t, seconds, status)
@@ -348,10 +305,10 @@ def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="rlproxy-soak-"))
     (root / "soak_reward.py").write_text(REWARD_MODULE)
-    server = Server(args, root)
+    server = serve(args, root)
     exit_code = None
     try:
-        server.wait_ready()
+        server.wait_healthy(300)
         t0 = time.monotonic()
         sampler = Sampler(server, t0)
         sampler.start()

@@ -27,7 +27,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -35,16 +34,11 @@ from pathlib import Path
 
 import requests
 
-from common import environment, proc_memory_mb, report, spawn_server
+from common import environment, proc_memory_mb, report
+from rlproxy.ops.served import Served
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about the sea."}]
 BAN_EOS = {"0": -100, "2": -100}  # the tiny model's end tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stalled_reader(port: int) -> socket.socket:
@@ -128,31 +122,18 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench/results/stalled_clients.json"))
     args = p.parse_args()
     load_before = os.getloadavg()[0]
-    port = free_port()
     data_dir = Path(tempfile.mkdtemp(prefix="rlproxy-stalled-")) / "data"
-    cmd = [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port", str(port),
-           "--data-dir", str(data_dir), "--no-judge", *args.serve_arg]
-    proc, log = spawn_server(cmd, Path(__file__).resolve().parents[1], data_dir, 8)
-    url = f"http://127.0.0.1:{port}"
+    server = Served(data_dir, "--no-judge", *args.serve_arg, log=data_dir / "server.log",
+                    memory_gb=8, wait_s=180)
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                if requests.get(url + "/healthz", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise SystemExit(f"the server did not start:\n{log.read_text()}")
-            time.sleep(0.2)
-        concurrent(url, args.normal, 8)  # warm up
+        concurrent(server.url, args.normal, 8)  # warm up
         results = []
         for k in args.stalled:
-            results.append(condition(url, port, proc.pid, k, args))
+            results.append(condition(server.url, server.port, server.proc.pid, k, args))
             print(f"{k:3d} stalled: TTFT {results[-1]['ttft_s'] * 1000:.0f} ms, "
                   f"{results[-1]['tok_s']:.0f} tok/s", flush=True)
     finally:
-        proc.terminate()
-        exit_code = proc.wait(timeout=120)
+        exit_code = server.stop(timeout_s=120)
     base = next((r for r in results if r["stalled"] == 0), results[0])
     lines = []
     for r in results:

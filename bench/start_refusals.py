@@ -18,7 +18,6 @@ import argparse
 import collections
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,35 +25,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, report  # noqa: E402
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from serve_process import free_port, wait_healthy  # noqa: E402
+from rlproxy.ops.served import Served  # noqa: E402
 
 KEY = "tml-bench"
 HERE = Path(__file__).resolve().parent.parent
 
 
-def serve(root: Path, name: str, flags: list[str], code: Path) -> tuple:
-    """`rlproxy serve --model tiny` run from CODE's checkout (its folder first on sys.path):
-    (process, url, log)."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code), str(root)]),
-           "PYTHONFAULTHANDLER": "1",
-           "TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"}
-    log = root / f"{name}.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port", str(port),
-         "--data-dir", str(root / name), "--no-fsync", *flags],
-        cwd=code, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}", log
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def serve(root: Path, name: str, flags: list[str], code: Path) -> Served:
+    """`rlproxy serve --model tiny` run from CODE's checkout (its folder first on sys.path), its
+    data dir ROOT/NAME and its log ROOT/NAME.log; not waited for."""
+    return Served(root / name, "--no-fsync", *flags, cwd=code, python_path=(code, root),
+                  env={"TINKER_API_KEY": KEY, "TINKER_TELEMETRY": "0"}, wait_s=None)
 
 
 def main() -> None:
@@ -73,27 +54,28 @@ def main() -> None:
     codes = {name: collections.Counter() for name in trees}
     aborted_logs: dict[str, list[str]] = {name: [] for name in trees}
     busy = []
-    learner, url, log = serve(root, "learner", ["--no-train", "--tinker-max-models", "16"], HERE)
+    learner = serve(root, "learner", ["--no-train", "--tinker-max-models", "16"], HERE)
+    url = learner.url
     try:
-        wait_healthy(learner, url, log, 300)
-        first, first_url, first_log = serve(root, "rank8", [*replica, "--tinker-url", url], HERE)
-        wait_healthy(first, first_url, first_log, 300)  # the run now exists at rank 8
-        stop(first)
+        learner.wait_healthy(300)
+        first = serve(root, "rank8", [*replica, "--tinker-url", url], HERE)
+        first.wait_healthy(300)  # the run now exists at rank 8
+        first.stop()
         busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(args.load)]
         for i in range(args.starts):
             for name, code in trees.items():
-                proc, _, out = serve(root, f"{name}-{i}", [*replica, "--tinker-url", url,
-                                                           "--lora-rank", "4"], code)
-                rc = proc.wait(timeout=300)
+                refused = serve(root, f"{name}-{i}", [*replica, "--tinker-url", url,
+                                                      "--lora-rank", "4"], code)
+                rc = refused.proc.wait(timeout=300)
                 codes[name][rc] += 1
                 if rc != 2:
-                    aborted_logs[name].append(out.read_text()[-2000:])
+                    aborted_logs[name].append(refused.output()[-2000:])
                     print(f"{name} start {i}: exit {rc}", flush=True)
     finally:
         for p in busy:
             p.kill()
-        stop(learner)
+        learner.stop()
         shutil.rmtree(root, ignore_errors=True)
     result = {name: {"starts": args.starts, "exit_codes": {str(k): v for k, v in c.items()},
                      "not_2": args.starts - c[2], "logs_not_2": aborted_logs[name]}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,17 +28,12 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rlproxy  # noqa: E402,F401  (preloads OpenBLAS)
+from rlproxy.ops.served import free_port  # noqa: E402
 from rlproxy.serving.blas import blas_in_use  # noqa: E402
 from rlproxy.serving.model import resolve_source  # noqa: E402
 
 TOPICS = ["the sea", "a lighthouse", "winter", "a market", "a train", "the moon", "a library",
           "a garden", "a storm", "a bridge", "a river", "the desert", "a city at night"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(command: list[str], env: dict, log: Path) -> subprocess.Popen:

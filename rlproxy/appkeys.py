@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from rlproxy.serving.model import LoadedModel
     from rlproxy.sessions.store import SessionStore
     from rlproxy.settings import Settings
+    from rlproxy.tinker.state import TinkerState
     from rlproxy.training.loop import Trainer
     from rlproxy.training.rank_link import Link
 
@@ -39,6 +40,7 @@ METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")  # what GET /metr
 RECORD_INDEX: web.AppKey[RecordIndex] = web.AppKey("record_index")  # the dashboard's records
 ADMISSION: web.AppKey[Admission] = web.AppKey("admission")  # generation requests let in
 RANKS: web.AppKey[Link] = web.AppKey("ranks")  # under mlx.launch: rank 0's link to the others
+TINKER: web.AppKey[TinkerState] = web.AppKey("tinker")  # the Tinker API's state (tinker/state.py)
 # under mlx.launch, asked on SIGTERM: why rank 0 serves on (a rank failed), or None to stop
 OUTLIVES: web.AppKey[Callable[[], str | None]] = web.AppKey("outlives")
 LIVE: web.AppKey[deque] = web.AppKey("live")  # the dashboard's recent rates (ops/ui/views.py)

@@ -1,8 +1,9 @@
 """OpenAI Chat Completions shapes, parsed once at the edge.
 
 Owns: parsing and validating a request body into a typed `ChatRequest`, the
-OpenAI error shape (`APIError`), the plain dicts handed to a HF chat template,
-and builders for response and stream-chunk dicts. It knows nothing about MLX,
+OpenAI error shape (`APIError`), `json_response` (the one way a handler answers
+JSON, the dashboard's too), the plain dicts handed to a HF chat template, and
+builders for response and stream-chunk dicts. It knows nothing about MLX,
 tokenizers or sessions; `session_id`/`turn_type`/`session_done` are only
 carried through for the session layer to read.
 """
@@ -13,6 +14,7 @@ import secrets
 from typing import Annotated, Any, Callable, Literal, TypeVar
 
 import orjson
+from aiohttp import web
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, \
     ValidationInfo, field_validator, model_validator
 
@@ -38,6 +40,11 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
+
+
+def json_response(data, status: int = 200, headers=None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
+                        headers=headers)
 
 
 # strict: OpenAI rejects "1" for a number and 1 for a boolean, so we do too.

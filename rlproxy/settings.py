@@ -19,7 +19,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlproxy.paths import default_data_dir
-from rlproxy.scoring.judging import STD_FLOOR  # noqa: E402  (the floor's default, documented there)
+
+# --group-std-floor's default (scoring/judging.py's docstring says why 0.1): named here, below
+# scoring/, which imports it.
+STD_FLOOR = 0.1
 
 # The policy losses (training/losses.py implements each): named here, where no MLX is loaded.
 LOSSES = ("ppo", "importance_sampling", "cispo", "dro", "cross_entropy")

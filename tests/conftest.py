@@ -1,7 +1,10 @@
-"""Shared fixtures: the real tiny model, the real aiohttp app on a free port, the real openai SDK.
+"""Shared fixtures: the real tiny model (shared, or a test's own copy), the real aiohttp app on a
+free port, the real openai SDK.
 
 The server runs on its own event loop in a background thread, so tests can use both the sync and
-the async openai clients against it exactly as an agent would.
+the async openai clients against it exactly as an agent would. `server_with(**flags)` makes a
+module's server fixture with flags of its own. `rlproxy serve` as a subprocess (for the tests
+that kill, signal or starve it) is rlproxy/ops/served.py's `Served`, which bench/ uses too.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class ServerThread(AppThread):
 
     def __init__(self, settings, loaded=None):
         self.settings, self.loaded = settings, loaded
+        self.data_dir = settings.records.data_dir
         super().__init__(lambda: create_app(settings, loaded))
 
     @property
@@ -128,10 +132,32 @@ def real():
     return load_serving_model(ModelSettings(model="smollm2-135m-instruct"))
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    with ServerThread(make_settings(tmp_path_factory.mktemp("data")), tiny) as s:
-        yield s
+def tiny_copy():
+    """The tiny model loaded afresh, a copy its caller may change (training, adapter swaps);
+    its LoRA drawn from seed 0 (as --train-seed 0 does), so a run repeats."""
+    return load_serving_model(ModelSettings(model="tiny"), lora_seed=0)
+
+
+@pytest.fixture
+def own():
+    """The tiny model's own copy for one test, which may change its weights (`tiny` is shared
+    and never changed)."""
+    return tiny_copy()
+
+
+def server_with(loaded: str | None = "tiny", scope: str = "module", **flags):
+    """A fixture: the real app in process with FLAGS (make_settings's), on a data dir of its
+    own, serving the LOADED fixture's model (None: the app loads its own, as `rlproxy serve`
+    does), one per module (or SCOPE). A test module names it: `keyed = server_with(api_key=KEY)`."""
+    @pytest.fixture(scope=scope)
+    def fixture(request, tmp_path_factory):
+        model = request.getfixturevalue(loaded) if loaded else None
+        with ServerThread(make_settings(tmp_path_factory.mktemp("data"), **flags), model) as s:
+            yield s
+    return fixture
+
+
+server = server_with()  # the tiny model with the tests' default flags
 
 
 TOOLS = [{

@@ -1,12 +1,12 @@
-"""Helpers for tests under `mlx.launch --backend ring` on this machine: free ports for the ring,
-a launch of `rlproxy`, the launched ranks' processes, and a served launch to send turns to."""
+"""Helpers for tests under `mlx.launch --backend ring` on this machine: a launch of `rlproxy`
+(its ring's ports from rlproxy/ops/served.py, as its wait until healthy), the launched ranks'
+processes, and a served launch to send turns to."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,26 +14,10 @@ from pathlib import Path
 
 import requests
 
+from rlproxy.ops.served import free_port, free_ports, wait_healthy
+
 TESTS = Path(__file__).resolve().parent
 LAUNCH = shutil.which("mlx.launch")
-
-
-def free_ports(n: int) -> int:
-    """A port P with P .. P+N-1 free (the ring backend listens on one per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no run of free ports")
 
 
 def launch(args: list[str], ranks: int = 2, **popen) -> subprocess.Popen:
@@ -71,7 +55,7 @@ class Served:
     SIGINT to rank 0 (rank 0 then tells the others to stop)."""
 
     def __init__(self, data: Path, ranks: int, *extra: str):
-        self.port = free_ports(1)
+        self.port = free_port()
         args = [*SERVE, "--data-dir", str(data), "--port", str(self.port), *extra]
         self.log = (data.parent / f"{data.name}.out").open("w")
         if ranks > 1:
@@ -81,16 +65,7 @@ class Served:
             self.proc = subprocess.Popen([sys.executable, "-m", "rlproxy.cli", *args], env=env,
                                          stdout=self.log, stderr=subprocess.STDOUT)
         self.ranks, self.url = ranks, f"http://127.0.0.1:{self.port}"
-        deadline = time.time() + 180
-        while True:
-            assert self.proc.poll() is None, self.output()
-            assert time.time() < deadline, self.output()
-            try:
-                if requests.get(self.url + "/healthz", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(self.proc, self.url, Path(self.log.name), timeout_s=180)
 
     def output(self) -> str:
         self.log.flush()

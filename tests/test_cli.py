@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 import subprocess
 import sys
-import time
 import types
 import typing
 from pathlib import Path
@@ -18,6 +15,7 @@ import pytest
 import requests
 
 from rlproxy.cli import build_parser, flags_from, main
+from rlproxy.ops.served import Served
 from rlproxy.serving.model import load_serving_model
 from rlproxy.settings import SECTIONS, ModelSettings, Settings, load_settings
 from conftest import read_records
@@ -306,27 +304,13 @@ def test_serve_process_merges_file_environment_and_flags(tmp_path):
     cfg = tmp_path / "rlproxy.toml"
     cfg.write_text('[server]\nserved_model_name = ["from-toml"]\napi_key = "toml-key"\n'
                    '[cache]\nprefix_cache = true\n[scoring]\nmethod = "combine"\n')
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLPROXY_")}
-    env.update(RLPROXY_API_KEY="env-key", RLPROXY_METHOD="opd")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlproxy.cli", "serve", "--config", str(cfg), "--model", "tiny",
-         "--port", str(port), "--data-dir", str(tmp_path / "data"), "--no-prefix-cache", "--method",
-         "rl", "--no-train", "--log-level", "WARNING"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer env-key"}
+    server = Served(tmp_path / "data", "--config", str(cfg), "--no-prefix-cache", "--method", "rl",
+                    "--no-train", "--log-level", "WARNING",
+                    env={"RLPROXY_API_KEY": "env-key", "RLPROXY_METHOD": "opd"}, wait_s=60,
+                    ok_only=False)
+    url, key = server.url, {"Authorization": "Bearer env-key"}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                health = requests.get(url + "/healthz", headers=key, timeout=2)
-                break
-            except requests.ConnectionError:
-                assert time.monotonic() < deadline, "server did not start in 60 s"
-                time.sleep(0.1)
+        health = requests.get(url + "/healthz", headers=key, timeout=2)
         assert health.status_code == 200, health.text
         h = health.json()
         assert h["served_model_names"] == ["from-toml"]  # the file, nothing overrides it
@@ -337,5 +321,5 @@ def test_serve_process_merges_file_environment_and_flags(tmp_path):
         assert requests.get(url + "/v1/models", headers=toml_key, timeout=5).status_code == 401
         assert requests.get(url + "/v1/models", headers=key, timeout=5).status_code == 200
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        server.proc.kill()
+        server.proc.wait(timeout=30)

@@ -17,7 +17,7 @@ import pytest
 import requests
 from ruamel.yaml import YAML
 
-from conftest import ServerThread, make_settings
+from conftest import ServerThread, make_settings, server_with
 from rlproxy.cli import main
 from rlproxy.connect import check
 from rlproxy.connect.agents import AGENTS, Target
@@ -273,14 +273,15 @@ WINDOW_FIXES = {
 }
 
 
+window_8k = server_with(None, context_length=8192)  # None: the app loads the tiny model itself
+window_16k = server_with(None, context_length=16384)
+
+
 @pytest.fixture(scope="module")
-def windows(server, tmp_path_factory):
+def windows(server, window_8k, window_16k):
     """Servers of the tiny model whose windows were lowered with --context-length (8,192 is
     SmolLM2's, the default model's), and the shared one at its own 131,072."""
-    with ServerThread(make_settings(tmp_path_factory.mktemp("w8k"), context_length=8192)) as a, \
-            ServerThread(make_settings(tmp_path_factory.mktemp("w16k"),
-                                       context_length=16384)) as b:
-        yield {8192: a, 16384: b, 131072: server}
+    return {8192: window_8k, 16384: window_16k, 131072: server}
 
 
 @pytest.mark.parametrize("window,agent", [(w, a) for w in WINDOW_FIXES for a in sorted(SEEDS)])

@@ -19,7 +19,7 @@ import pytest
 import requests
 from mlx_lm.models.rope_utils import YarnRoPE
 
-from conftest import ServerThread, make_settings
+from conftest import ServerThread, make_settings, server_with
 from rlproxy.serving.embedded_model import embedded_model_path
 from rlproxy.serving.model import context_window, load_serving_model
 from rlproxy.settings import ModelSettings
@@ -134,18 +134,8 @@ def scaled():
     return load_serving_model(ModelSettings(model=SMOLLM2, context_length=65536))
 
 
-@pytest.fixture(scope="module")
-def scaled_server(scaled, tmp_path_factory):
-    settings = make_settings(tmp_path_factory.mktemp("data"), model=SMOLLM2,
-                             context_length=65536)
-    with ServerThread(settings, scaled) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def smollm2_server(real, tmp_path_factory):
-    with ServerThread(make_settings(tmp_path_factory.mktemp("data"), model=SMOLLM2), real) as s:
-        yield s
+scaled_server = server_with("scaled", model=SMOLLM2, context_length=65536)
+smollm2_server = server_with("real", model=SMOLLM2)
 
 
 @pytest.mark.real_model

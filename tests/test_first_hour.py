@@ -16,8 +16,8 @@ import mlx.core as mx
 import pytest
 import requests
 from conftest import HELLO_PROMPT, HELLO_REPLY
-from serve_process import free_port, server_env, wait_healthy
 
+from rlproxy.ops.served import Served, free_port, server_env
 from rlproxy.paths import (CHECKPOINTS, LOCK, default_data_dir, model_dir_name,
                            serving_url)
 from rlproxy.serving.model_fetch import model_cache_dir
@@ -116,31 +116,11 @@ def test_each_model_gets_its_own_default_data_dir(tmp_path):
     assert default_data_dir("tiny", other) == other / "tiny"
 
 
-def start(args: list[str], log: Path, home: Path | None = None):
-    port = free_port()
-    env = server_env(TESTS)
-    if home is not None:
-        env["HOME"] = str(home)
-        env["RLPROXY_CACHE_DIR"] = str(model_cache_dir().parent)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny",
-                                 "--port", str(port), "--log-level", "INFO", *args], cwd=REPO,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc, url
-
-
-def stop(proc) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def start(args: list[str], log: Path, home: Path | None = None) -> Served:
+    """`rlproxy serve --model tiny ARGS` (its data dir in ARGS, or HOME's default), healthy."""
+    env = {} if home is None else {"HOME": str(home),
+                                   "RLPROXY_CACHE_DIR": str(model_cache_dir().parent)}
+    return Served(None, "--log-level", "INFO", *args, log=log, env=env, python_path=(TESTS,))
 
 
 def hello(url: str) -> str:
@@ -157,14 +137,11 @@ def test_switching_models_on_the_default_data_dir_just_works(tmp_path):
     legacy = home / ".rlproxy"  # another model trained here, before per-model data dirs
     save_checkpoint(legacy / CHECKPOINTS, 10, 10, {"w": mx.zeros((1,))}, {}, {},
                     {"model": {"model": "small"}})
-    proc, url = start(["--no-train"], tmp_path / "server.log", home=home)
-    try:
-        health = requests.get(url + "/healthz").json()
+    with start(["--no-train"], tmp_path / "server.log", home=home) as server:
+        health = requests.get(server.url + "/healthz").json()
         assert health["data_dir"] == str(legacy / "tiny"), health
-        assert serving_url(legacy / "tiny") == url  # `rlproxy export` finds it by its lock
-        hello(url)
-    finally:
-        stop(proc)
+        assert serving_url(legacy / "tiny") == server.url  # `rlproxy export` finds it by its lock
+        hello(server.url)
     assert (legacy / "tiny" / "conversations.jsonl").stat().st_size > 0
     assert not (legacy / "conversations.jsonl").exists()  # the other model's dir untouched
     assert serving_url(legacy / "tiny") is None and (legacy / "tiny" / LOCK).exists()
@@ -177,30 +154,24 @@ def test_no_train_serves_the_data_dirs_newest_adapter(taught_adapter, tmp_path):
     newest = save_checkpoint(data / CHECKPOINTS, 2, 2, weights, {}, config,
                              {"model": {"model": "tiny"}})
     log = tmp_path / "server.log"
-    proc, url = start(["--no-train", "--data-dir", str(data)], log)
-    try:
-        assert requests.get(url + "/healthz").json()["adapter"] == str(newest)
-        assert hello(url) == HELLO_REPLY  # what the checkpoint was taught
-    finally:
-        stop(proc)
+    with start(["--no-train", "--data-dir", str(data)], log) as server:
+        assert requests.get(server.url + "/healthz").json()["adapter"] == str(newest)
+        assert hello(server.url) == HELLO_REPLY  # what the checkpoint was taught
     assert f"serving the adapter trained in this data dir, checkpoint {newest}" in \
         log.read_text()
-    proc, url = start(["--no-train", "--data-dir", str(data), "--adapter", "base"], log)
-    try:
-        assert requests.get(url + "/healthz").json()["adapter"] is None
-        assert hello(url) != HELLO_REPLY  # the base model's own gibberish
-    finally:
-        stop(proc)
+    with start(["--no-train", "--data-dir", str(data), "--adapter", "base"], log) as server:
+        assert requests.get(server.url + "/healthz").json()["adapter"] is None
+        assert hello(server.url) != HELLO_REPLY  # the base model's own gibberish
 
 
 @pytest.mark.slow
 def test_export_takes_the_adapter_a_running_server_serves_before_any_checkpoint(tmp_path):
     data, out = tmp_path / "data", tmp_path / "export"
     # before any step: a clear refusal, one line
-    proc, url = start(["--data-dir", str(data), "--batch-size", "1", "--no-judge",
-                       "--no-at-least-one", "--learning-rate", "1e-3",
-                       "--reward-function", "test_trainer:target_reward"],
-                      tmp_path / "server.log")
+    server = start(["--data-dir", str(data), "--batch-size", "1", "--no-judge",
+                    "--no-at-least-one", "--learning-rate", "1e-3",
+                    "--reward-function", "test_trainer:target_reward"], tmp_path / "server.log")
+    url = server.url
     try:
         code, err, _ = rlproxy("export", "--data-dir", str(data), "--model", "tiny",
                                "--format", "mlx", "--out", str(out))
@@ -232,7 +203,7 @@ def test_export_takes_the_adapter_a_running_server_serves_before_any_checkpoint(
         assert state["adapter_version"] == requests.get(url + "/healthz").json()[
             "adapter_version"]
     finally:
-        stop(proc)
+        server.stop()
     # with the server gone: the newest checkpoint, the same adapter
     code, err, _ = rlproxy("export", "--data-dir", str(data), "--model", "tiny",
                            "--format", "mlx", "--out", str(tmp_path / "again"))

@@ -16,13 +16,13 @@ import mlx.core as mx
 import pytest
 
 from rlproxy.serving.engine import Engine
-from rlproxy.serving.model import load_serving_model, lora_weights
-from rlproxy.settings import ModelSettings, TrainerSettings
+from rlproxy.serving.model import lora_weights
+from rlproxy.settings import TrainerSettings
 from rlproxy.training import degeneracy, gate as eval_gate
 from rlproxy.training.checkpoints import latest_checkpoint
 from rlproxy.training.loop import Trainer, training_copy
 from rlproxy.training.schedule import lr_at
-from conftest import make_settings, read_records
+from conftest import make_settings, read_records, tiny_copy
 from test_chunked_grad import first_token_s
 from test_trainer import sample  # the engine's own samples, token ids and log-probs
 
@@ -106,18 +106,6 @@ def fresh_reward(engine, prompts, reward_fn, seed, n=48):
         (ids, _), = sample(engine, prompts[k % len(prompts)], 1, seed + k)
         rewards.append(reward_fn({"choices": [{"completion_ids": ids}]}, None))
     return rewards
-
-
-def seeded_model(seed: int = 0):
-    """The tiny model with its LoRA initialised from SEED (lora_a is random), so that a run's
-    training dynamics repeat; the engine publishes into it: a private copy."""
-    mx.random.seed(seed)
-    return load_serving_model(ModelSettings(model="tiny"))
-
-
-@pytest.fixture
-def own():
-    return seeded_model()
 
 
 # ---- the figures and the verdict, by hand ----
@@ -322,7 +310,7 @@ def test_a_degenerate_reward_is_refused_rolled_back_and_training_pauses(own, tmp
 
     # the control arm: the same batches without the gate collapse the output (how soon
     # depends on the LoRA's random start: seeded here; measured every 2 batches)
-    own2 = seeded_model()  # the same start as the gated arm
+    own2 = tiny_copy()  # the same start as the gated arm (conftest's `own`)
     engine, trainer, prompts = make(tmp_path / "ungated", own2, **{**DEGENERATE, "eval_every": 0})
     try:
         for r in range(20):
@@ -386,7 +374,7 @@ def test_an_evaluation_does_not_hold_a_request_arriving_during_it(own, tmp_path)
     long before the evaluation ends."""
     import threading
 
-    from rlproxy.serving.mlx_threads import mlx_thread
+    from rlproxy.mlx_threads import mlx_thread
 
     words = ["the", "of", "and", "to", "in", "is", "that", "it", "was", "for"]
     long = [{"role": "user", "content": " ".join(words[i % 10] for i in range(6000))}]

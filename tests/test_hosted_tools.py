@@ -15,7 +15,7 @@ import anthropic
 import openai
 import pytest
 
-from conftest import ServerThread, make_settings, read_records
+from conftest import read_records, server_with
 
 SHELL = {"type": "function", "name": "shell", "description": "Runs a shell command",
          "parameters": {"type": "object", "properties": {"command": {
@@ -33,17 +33,8 @@ SERVER_TOOL = {"type": "web_search_20250305", "name": "web_search", "max_uses": 
 MSG = [{"role": "user", "content": "Hi there"}]
 
 
-@pytest.fixture(scope="module")
-def drop_server(tiny, tmp_path_factory):
-    with ServerThread(make_settings(tmp_path_factory.mktemp("data")), tiny) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def reject_server(tiny, tmp_path_factory):
-    settings = make_settings(tmp_path_factory.mktemp("data"), hosted_tools="reject")
-    with ServerThread(settings, tiny) as s:
-        yield s
+drop_server = server_with()  # --hosted-tools drop, the default
+reject_server = server_with(hosted_tools="reject")
 
 
 def turns(server, api: str, n: int) -> list[dict]:

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from serve_process import free_port, server_env, wait_healthy
+from rlproxy.ops.served import Served, free_port, serve_command, server_env, wait_healthy
 from rlproxy.paths import CONVERSATIONS, LOCK, DataDirInUse, lock_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,23 +41,12 @@ REPO = Path(__file__).resolve().parents[1]
 HEADER_S, KEEPALIVE_S, CAP = 1.0, 3.0, 50
 
 
-def serve_cmd(data_dir: Path, port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port", str(port),
-            "--data-dir", str(data_dir), "--log-level", "INFO", *flags]
+class Server(Served):
+    """`rlproxy serve --model tiny --log-level INFO FLAGS`, and the turns it acknowledged."""
 
-
-class Server:
     def __init__(self, data_dir: Path, log_path: Path, *flags: str):
-        self.data_dir, self.log_path, self.port = data_dir, log_path, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(serve_cmd(data_dir, self.port, *flags), cwd=REPO,
-                                         env=server_env(), stdout=log, stderr=subprocess.STDOUT)
-        wait_healthy(self.proc, self.url, log_path)
+        super().__init__(data_dir, "--log-level", "INFO", *flags, log=log_path)
         self.acked: list[tuple[str, str]] = []  # (session, turn uid) of every answered turn
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def turn(self, sid: str) -> str:
         """One chat turn in session SID; its uid once the whole answer arrived."""
@@ -84,11 +73,9 @@ class Server:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
-    s = Server(tmp / "data", tmp / "server.log", "--header-timeout-s", str(HEADER_S),
-               "--keepalive-timeout-s", str(KEEPALIVE_S), "--max-connections", str(CAP))
-    yield s
-    s.proc.terminate()
-    s.proc.wait(timeout=60)
+    with Server(tmp / "data", tmp / "server.log", "--header-timeout-s", str(HEADER_S),
+                "--keepalive-timeout-s", str(KEEPALIVE_S), "--max-connections", str(CAP)) as s:
+        yield s
 
 
 def closed(sock: socket.socket) -> bool:
@@ -163,7 +150,7 @@ def test_silent_connections_past_the_cap_leave_healthz_answering(srv):
     for s in silent:
         s.close()
 
-    log = srv.log()
+    log = srv.output()
     assert "Traceback" not in log and "out of system resource" not in log, log[-3000:]
     cap_lines = [ln for ln in log.splitlines() if "past --max-connections" in ln]
     assert 1 <= len(cap_lines) <= 3, cap_lines  # the first at once, the count every 10 s
@@ -229,7 +216,8 @@ def test_accept_out_of_descriptors_is_counted_not_a_traceback_flood(tmp_path):
 def test_second_server_on_the_same_data_dir_exits_naming_the_first(srv):
     srv.turn("row6")
     t0 = time.monotonic()
-    second = subprocess.run(serve_cmd(srv.data_dir, free_port()), cwd=REPO, env=server_env(),
+    second = subprocess.run(serve_command("--log-level", "INFO", port=free_port(),
+                                          data_dir=srv.data_dir), cwd=REPO, env=server_env(),
                             capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0
     assert second.returncode == 3, (second.returncode, second.stderr[-2000:])  # in use

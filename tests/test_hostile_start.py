@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from rlproxy.ops.served import Served, free_port
 from rlproxy.records import read_jsonl
 
 from test_poison import (
     COMMON, REPO, REWARD_MODULE, chat, health, journal, kill_inside, serve, trained_uids,
 )
-from serve_process import free_port, server_env, wait_healthy
 from test_durability import stop
 
 # ~1,500 prompt tokens: a step over one takes a few seconds on the tiny model with
@@ -152,19 +152,12 @@ def test_a_turn_that_kills_every_process_that_trains_it_is_still_quarantined(tmp
 
 def serve_with(data: Path, tmp: Path, log: Path, *flags: str):
     """`rlproxy serve` with training (one turn per step, a checkpoint each step) and the
-    prefix cache on; waits until /healthz answers 200."""
-    port = free_port()
-    env = server_env(tmp, REPO)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port",
-             str(port), "--data-dir", str(data), "--log-level", "WARNING", "--batch-size", "1",
-             "--no-judge", "--no-at-least-one", "--reward-function", "poison_reward:reward",
-             "--baseline", "none", "--save-interval", "1", "--keep-checkpoints", "5", *flags],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, log)
-    return proc, url
+    prefix cache on, once /healthz answers 200: (process, url)."""
+    server = Served(data, "--log-level", "WARNING", "--batch-size", "1", "--no-judge",
+                    "--no-at-least-one", "--reward-function", "poison_reward:reward",
+                    "--baseline", "none", "--save-interval", "1", "--keep-checkpoints", "5",
+                    *flags, log=log, python_path=(tmp, REPO))
+    return server.proc, server.url
 
 
 def sigterm(proc) -> None:

@@ -15,13 +15,7 @@ import requests
 
 from rlproxy.appkeys import ENGINE, MODEL, SESSIONS
 
-from conftest import ServerThread, make_settings, read_records
-
-
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    with ServerThread(make_settings(tmp_path_factory.mktemp("data")), tiny) as s:
-        yield s
+from conftest import read_records
 
 
 def body(server, stream: bool, max_tokens: int = 8, long: bool = False) -> dict:

@@ -8,11 +8,10 @@ import json
 import logging
 import time
 
-import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ServerThread, make_settings
+from conftest import ServerThread, make_settings, server_with
 from demo_agent import run_sessions, training_settings, wait_for_steps
 from rlproxy.ops.logs import JsonFormatter
 
@@ -33,10 +32,7 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-@pytest.fixture(scope="module")
-def keyed(tiny, tmp_path_factory):
-    with ServerThread(make_settings(tmp_path_factory.mktemp("data"), api_key=KEY), tiny) as s:
-        yield s
+keyed = server_with(api_key=KEY)
 
 
 def test_metrics_parse_and_counters_move_with_requests(keyed):

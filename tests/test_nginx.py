@@ -14,9 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from serve_process import free_port, server_env, wait_healthy
+from rlproxy.ops.served import Served, free_port, stop
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "deploy" / "nginx.conf"
@@ -64,24 +62,10 @@ http {{
 """
 
 
-def start_rlproxy(data: Path, *flags: str) -> tuple[subprocess.Popen, str, Path]:
-    port, log = free_port(), data.with_suffix(".log")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--port", str(port),
-             "--data-dir", str(data), "--log-level", "WARNING", "--no-train", "--no-judge", *flags],
-            cwd=REPO, env=server_env(), stdout=out, stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}", log
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+def start_rlproxy(data: Path, *flags: str) -> Served:
+    """A replica or the learner, started (its log: DATA.log); the caller waits for it."""
+    return Served(data, "--log-level", "WARNING", "--no-train", "--no-judge", *flags,
+                  wait_s=None)
 
 
 def wait_port(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 15) -> None:
@@ -107,10 +91,10 @@ def stack():
         for name, flags in (("replica1", ["--tinker-max-models", "0"]),
                             ("replica2", ["--tinker-max-models", "0"]), ("learner", [])):
             servers.append(start_rlproxy(tmp / name, *flags))
-            procs.append(servers[-1][0])
-        for proc, url, log in servers:
-            wait_healthy(proc, url, log, timeout_s=90)
-        replicas, learner = [u for _, u, _ in servers[:2]], servers[2][1]
+            procs.append(servers[-1].proc)
+        for server in servers:
+            server.wait_healthy(timeout_s=90)
+        replicas, learner = [s.url for s in servers[:2]], servers[2].url
         listen = free_port()
         routing = tmp / "rlproxy.conf"
         routing.write_text(render(CONF.read_text(), [u.removeprefix("http://") for u in replicas],
@@ -129,7 +113,7 @@ def stack():
         yield {"url": url, "replicas": replicas, "learner": learner}
     finally:
         for proc in reversed(procs):
-            stop(proc)
+            stop(proc, timeout_s=10)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

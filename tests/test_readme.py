@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from serve_process import free_port, wait_healthy
 
+from rlproxy.ops.served import free_port, wait_healthy
 from rlproxy.serving.model_fetch import model_cache_dir
 
 REPO = Path(__file__).resolve().parent.parent

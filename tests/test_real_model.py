@@ -18,7 +18,7 @@ import mlx_lm
 import pytest
 import requests
 
-from conftest import ServerThread, make_settings, read_records
+from conftest import ServerThread, make_settings, read_records, server_with
 from demo_agent import wait_for_steps
 from test_scoring import Judge, lines, run_session, wait_scored
 from rlproxy.cli import main
@@ -31,10 +31,7 @@ NAME = "smollm2-135m-instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def real_server(real, tmp_path_factory):
-    with ServerThread(make_settings(tmp_path_factory.mktemp("data"), model=NAME), real) as s:
-        yield s
+real_server = server_with("real", model=NAME)
 
 
 def test_it_answers_a_real_question(real_server):

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,9 +24,9 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 from conftest import ServerThread, make_settings  # noqa: E402
-from serve_process import free_port, server_env, wait_healthy  # noqa: E402
 
 from rlproxy.appkeys import ENGINE, MODEL  # noqa: E402
+from rlproxy.ops.served import Served, free_port, serve_command, server_env  # noqa: E402
 from rlproxy.remote.judge import TinkerJudge  # noqa: E402
 from rlproxy.settings import RemoteSettings  # noqa: E402
 
@@ -44,20 +43,15 @@ class Learner:
     def __init__(self, data: Path):
         self.data, self.port = data, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = None
+        self.served: Served | None = None
 
     def start(self) -> None:
-        log = self.data / "learner.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--no-train",
-             "--no-judge", "--port", str(self.port), "--data-dir", str(self.data / "d"),
-             "--api-key", KEY], env=server_env(), stdout=log.open("a"),
-            stderr=subprocess.STDOUT)
-        wait_healthy(self.proc, self.url, log)
+        self.served = Served(self.data / "d", "--no-train", "--no-judge", "--api-key", KEY,
+                             port=self.port, log=self.data / "learner.log")
 
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
+    def stop(self) -> None:  # SIGKILL: gone at once, as in a crash
+        self.served.proc.kill()
+        self.served.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +68,6 @@ def replica(learner, tmp_path_factory):
     settings = make_settings(data, sampler="tinker", tinker_url=learner.url,
                              tinker_api_key=KEY, tinker_timeout_s=3, method="combine")
     with ServerThread(settings) as s:  # no loaded model: the tokenizer alone is loaded
-        s.data_dir = data
         yield s
 
 
@@ -266,10 +259,9 @@ def test_start_up_errors(learner, tmp_path):
     # a wrong key: `rlproxy serve` exits 2 with one line saying what to change
     env = {**server_env(), "TINKER_API_KEY": "tml-wrong", "TINKER_TELEMETRY": "0"}
     done = subprocess.run(
-        [sys.executable, "-m", "rlproxy.cli", "serve", "--model", "tiny", "--sampler", "tinker",
-         "--no-train", "--tinker-url", learner.url, "--port", str(free_port()),
-         "--data-dir", str(tmp_path / "wrong")], env=env, capture_output=True, text=True,
-        timeout=120)
+        serve_command("--sampler", "tinker", "--no-train", "--tinker-url", learner.url,
+                      port=free_port(), data_dir=tmp_path / "wrong"), env=env,
+        capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("rlproxy: --sampler tinker:") and "API key" in last, last

@@ -13,9 +13,8 @@ import pytest
 from rlproxy.remote.weights import WeightsMisfit, fit
 from rlproxy.serving.engine import Engine
 from rlproxy.serving.jobs import Job, SamplingParams
-from rlproxy.serving.model import load_serving_model, lora_weights
+from rlproxy.serving.model import lora_weights
 from rlproxy.serving.peft import read_adapter, to_peft, write_mlx, write_peft
-from rlproxy.settings import ModelSettings
 from rlproxy.training.learner import training_copy
 
 
@@ -34,11 +33,6 @@ def served(engine: Engine, weights, version: int, prompt: list[int]):
         if step.finish_reason:
             assert step.error is None
             return ids, np.array(lps)
-
-
-@pytest.fixture
-def own():
-    return load_serving_model(ModelSettings(model="tiny"))  # the engine swaps its adapter
 
 
 @pytest.fixture

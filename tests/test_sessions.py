@@ -11,7 +11,7 @@ import requests
 
 from rlproxy.appkeys import SCORER, SESSIONS
 
-from conftest import TOOL_PROMPT, TOOLS, ServerThread, make_settings, read_records
+from conftest import TOOL_PROMPT, TOOLS, ServerThread, make_settings, read_records, server_with
 
 TOOL_RESULT = {"role": "tool", "tool_call_id": "", "content": '{"temperature": 21}'}
 
@@ -111,10 +111,7 @@ def test_same_conversation_without_headers_links_the_same(taught_server):
     assert turns[3]["end"] == "ended"
 
 
-@pytest.fixture
-def fresh(tiny, tmp_path):
-    with ServerThread(make_settings(tmp_path), tiny) as s:
-        yield s
+fresh = server_with(scope="function")  # a server per test
 
 
 def test_request_id_retry_returns_stored_response(fresh):

@@ -22,7 +22,7 @@ from rlproxy.sessions.store import SessionStore
 from rlproxy.sessions.threads import system_key
 from rlproxy.sessions.turn import Turn
 
-from conftest import TOOL_PROMPT, TOOLS, ServerThread, make_settings, read_records
+from conftest import TOOL_PROMPT, TOOLS, ServerThread, make_settings, read_records, server_with
 
 # ---- ChoiceText: reasoning split from content, token by token, with the real tokenizer ----
 
@@ -447,10 +447,7 @@ def test_turn_type_header_overrides_the_rules(fresh):
                    ("side", "header")]
 
 
-@pytest.fixture(scope="module")
-def fresh(tiny, tmp_path_factory):
-    with ServerThread(make_settings(tmp_path_factory.mktemp("data")), tiny) as s:
-        yield s
+fresh = server_with()  # a server of its own, beside the module's `server`
 
 
 # ---- max_tokens beyond the context: clamped (and recorded), or a 400 when strict ----

@@ -32,7 +32,6 @@ TEXT = [[11, 250, 37, 802, 64, 19, 555, 3, 48, 900, 71, 26, 133, 1200, 9],
 def tk(tiny, tmp_path_factory):
     data = tmp_path_factory.mktemp("data")
     with ServerThread(make_settings(data, tinker_max_models=32), tiny) as s:
-        s.data_dir = data
         s.service = tinker.ServiceClient(base_url=s.url, api_key="tml-local")
         s.base = tiny.model_id
         yield s

@@ -19,7 +19,7 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from conftest import ServerThread, make_settings  # noqa: E402
+from conftest import ServerThread, make_settings, server_with  # noqa: E402
 from test_tinker import TEXT, sft_datum  # noqa: E402
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -27,12 +27,7 @@ KEY = "tml-local"
 LR = types.AdamParams(learning_rate=1e-2)
 
 
-@pytest.fixture(scope="module")
-def learner(tiny, tmp_path_factory):
-    data = tmp_path_factory.mktemp("data")
-    with ServerThread(make_settings(data, tinker_max_models=8), tiny) as s:
-        s.data_dir = data
-        yield s
+learner = server_with(tinker_max_models=8)
 
 
 def service(url: str):

@@ -19,7 +19,7 @@ from rlproxy.serving.chat_template import supports_tools
 from rlproxy.serving.chat_template import tool_format
 from rlproxy.serving.choice_text import ChoiceText
 
-from conftest import TOOL_PROMPT, TOOL_REPLY, TOOLS, ServerThread, make_settings, read_records
+from conftest import TOOL_PROMPT, TOOL_REPLY, TOOLS, read_records, server_with
 
 CLOCK = {"type": "function", "function": {
     "name": "get_time", "description": "Tell the local time in a timezone",
@@ -153,11 +153,7 @@ def test_what_the_prompt_shows_is_what_the_parser_reads(real):
 
 # ---- through the real server, with SmolLM2 ----
 
-@pytest.fixture(scope="module")
-def real_server(real, tmp_path_factory):
-    settings = make_settings(tmp_path_factory.mktemp("data"), model="smollm2-135m-instruct")
-    with ServerThread(settings, real) as s:
-        yield s
+real_server = server_with("real", model="smollm2-135m-instruct")
 
 
 def recorded_prompts(server, sid: str, tok) -> list[str]:

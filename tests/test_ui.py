@@ -167,9 +167,9 @@ def test_damaged_checkpoints_are_left_out_of_the_list(keyed):
 def test_status_says_one_line_when_the_server_is_not_rlproxy(tmp_path, capsys):
     import argparse
     import http.server
-    import socket
     import threading
 
+    from rlproxy.ops.served import free_port
     from rlproxy.ops.status import status_cmd
 
     class NotJson(http.server.BaseHTTPRequestHandler):
@@ -188,9 +188,7 @@ def test_status_says_one_line_when_the_server_is_not_rlproxy(tmp_path, capsys):
         assert status_cmd(argparse.Namespace(url=url, api_key=None)) == 1
     finally:
         other.shutdown()
-    with socket.socket() as s:  # a free port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    closed = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     assert status_cmd(argparse.Namespace(url=closed, api_key=None)) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "did not answer JSON" in err[0] and "cannot reach" in err[1]

@@ -4,7 +4,6 @@ answers itself.
 Owns:
 - `metrics_middleware` (outermost): every answer counted by API and status
   (`rlproxy_requests`), and the request's checked session id set for the JSON log lines.
-- `json_response`: the one way a handler answers JSON.
 - `body_middleware`: every request body is read once, here, within
   `--body-read-timeout-s` (a stalled body is a 408, not a held connection), and a body that
   cannot be decoded (bad gzip/deflate, broken chunking) is a 400 on every route. Handlers then
@@ -17,7 +16,9 @@ Owns:
   `Expect`) in JSON. The connection-level server (aiohttp's own parse errors, the runner) is
   api/server.py.
 
-Knows nothing of any dialect's fields (protocol.py and api/*_input.py) or of generation.
+Knows nothing of any dialect's fields (protocol.py and api/*_input.py) or of generation. The
+one way a handler answers JSON, `json_response`, is protocol.py's (the dashboard, below api/,
+uses it too); handlers may import it from here.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from rlproxy.api.tags import valid_session_id
 from rlproxy.appkeys import ADMISSION, SETTINGS
 from rlproxy.ops.logs import SESSION_ID, TURN_UID
 from rlproxy.ops.metrics import REQUESTS
-from rlproxy.protocol import APIError, load_json, validate
+from rlproxy.protocol import APIError, json_response, load_json, validate
 from rlproxy.records import WriteFailed
 
 log = logging.getLogger("rlproxy.edge")
@@ -50,12 +51,7 @@ DISK_FULL_RETRY_S = 30  # space comes back when an operator frees it: not within
 RETRY_AFTER_S = 1  # a 4-token request takes well under a second; SDKs honour the header
 
 
-# ---- JSON answers and the error shape ----
-
-def json_response(data, status: int = 200, headers=None) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json",
-                        headers=headers)
-
+# ---- the error shape ----
 
 class StreamEnded(Exception):
     """A streamed response that has already ended with its API's error event: the handler's

@@ -33,7 +33,7 @@ from rlproxy.kv.blobs import (
 from rlproxy.kv.disk import open_disk
 from rlproxy.kv.index import BlockIndex
 from rlproxy.kv.lineage import Lineage
-from rlproxy.serving.mlx_threads import mlx_thread
+from rlproxy.mlx_threads import mlx_thread
 from rlproxy.settings import CacheSettings
 from rlproxy.stores import StoreUnavailable
 

@@ -1,8 +1,8 @@
 """`/healthz`: one JSON object about the whole server, collected from what each component
 reports about itself (its `health()`), and the status code that goes with it.
 
-Reads the app's objects by the keys in appkeys.py and imports none of them (the Tinker API's
-key is tinker/state.py's, a module without MLX); the HTTP handler is app.py's. The object's
+Reads the app's objects by the keys in appkeys.py (the Tinker API's too) and imports none of
+them; the HTTP handler is app.py's. The object's
 keys and their order are a contract (`rlproxy status`, probes, tests): add, never rename.
 
 `status` is "ok", "degraded" (serving, but a record file's last write failed: a full disk;
@@ -20,9 +20,8 @@ from aiohttp import web
 
 from rlproxy import records
 from rlproxy.appkeys import (
-    ADMISSION, ENGINE, MODEL, RANKS, SCORER, SESSIONS, SETTINGS, STARTED, TRAINER,
+    ADMISSION, ENGINE, MODEL, RANKS, SCORER, SESSIONS, SETTINGS, STARTED, TINKER, TRAINER,
 )
-from rlproxy.tinker.state import TINKER
 
 NO_PREFIX_CACHE = {"enabled": False, "reason": "--no-prefix-cache"}
 

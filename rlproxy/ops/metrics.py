@@ -10,11 +10,10 @@ counted by api/edge.py's `metrics_middleware` (`REQUESTS`). Those are process-wi
 server per process); each app's registry exposes them beside its own live collector.
 
 A leaf: imports no rlproxy module at run time but appkeys.py (by whose keys it reads the app's
-objects; it imports none of them), tinker/state.py (the Tinker API's key; no MLX there),
-ops/logs.py (the served adapter version its JSON lines
-carry) and records.py (the failed writes per file, process-wide), none of which imports
-anything of rlproxy, so any component may call into it. Owns
-no state of the loop, and nothing here touches MLX.
+objects, the Tinker API's too; it imports none of them), ops/logs.py (the served adapter version
+its JSON lines carry) and records.py (the failed writes per file, process-wide), none of which
+imports a component, so any component may call into it. Owns no state of the loop, and nothing
+here touches MLX.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from rlproxy import records
-from rlproxy.appkeys import ADMISSION, ENGINE, METRICS, MODEL, SCORER, SESSIONS, TRAINER
+from rlproxy.appkeys import ADMISSION, ENGINE, METRICS, MODEL, SCORER, SESSIONS, TINKER, TRAINER
 from rlproxy.ops import logs
-from rlproxy.tinker.state import TINKER
 
 recent_ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, seconds): the dashboard
 

@@ -72,7 +72,7 @@ class LocalJudge:
         return await future
 
     def _run(self) -> None:
-        from rlproxy.serving.mlx_threads import mlx_thread
+        from rlproxy.mlx_threads import mlx_thread
 
         with mlx_thread():
             while (task := self._tasks.get()) is not None:

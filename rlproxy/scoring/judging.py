@@ -58,6 +58,8 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+from rlproxy.settings import STD_FLOOR  # --group-std-floor's default: see the docstring
+
 BOXED = re.compile(r"\\boxed\{\s*([+-]?\d+)\s*\}")
 HINT = re.compile(r"\[HINT_START\](.*?)\[HINT_END\]", re.S)
 
@@ -339,9 +341,6 @@ def at_least_one(rewards: dict[str, tuple[int, float]],
 
 
 # ---- group baselines (GRPO) and what is released to the trainer ----
-
-STD_FLOOR = 0.1  # the default of --group-std-floor (settings.py): see the docstring
-
 
 def group_baseline(rewards: list[float | None], mode: str,
                    std_floor: float = STD_FLOOR) -> tuple[float | None, float | None]:

@@ -39,13 +39,13 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from rlproxy.kv.blobs import adapter_fingerprint, weights_fingerprint
 from rlproxy.kv.prefix_cache import PrefixCache
+from rlproxy.mlx_threads import mlx_thread
 from rlproxy.ops import metrics
 from rlproxy.serving.jobs import Job  # noqa: F401  (the engine's interface)
 from rlproxy.serving.jobs import SamplingParams  # noqa: F401  (the engine's interface)
 from rlproxy.serving.jobs import Step  # noqa: F401  (the engine's interface)
 from rlproxy.serving.jobs import Token  # noqa: F401  (the engine's interface)
 from rlproxy.serving.logprobs import chosen_logprobs, top_logprobs
-from rlproxy.serving.mlx_threads import mlx_thread
 from rlproxy.serving.named import NamedAdapters
 from rlproxy.serving.prefill import Loader, PrefillLane
 from rlproxy.serving.sampler import make_processors, make_sampler

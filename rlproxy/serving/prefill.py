@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from rlproxy.serving.mlx_threads import mlx_thread
+from rlproxy.mlx_threads import mlx_thread
 
 log = logging.getLogger("rlproxy.prefill")
 

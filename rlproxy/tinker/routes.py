@@ -22,16 +22,16 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.api.edge import json_response
-from rlproxy.appkeys import ENGINE, MODEL, RANKS, SETTINGS
+from rlproxy.appkeys import ENGINE, MODEL, RANKS, SETTINGS, TINKER
+from rlproxy.mlx_threads import Worker
 from rlproxy.ops.health import served_names
-from rlproxy.serving.mlx_threads import Worker
 from rlproxy.tinker import models, ranks, runs, wire
 from rlproxy.tinker.archive import (
     delete_checkpoint, download_checkpoint, external_file, external_urls, list_checkpoints,
 )
 from rlproxy.tinker.sampling import Samplers, asample
 from rlproxy.tinker.state import (
-    TINKER, TinkerState, checked_name, checkpoint_dir, parse_path, read_json, run_name, state,
+    TinkerState, checked_name, checkpoint_dir, parse_path, read_json, run_name, state,
 )
 from rlproxy.tinker.wire import UserError
 

@@ -15,8 +15,8 @@ import asyncio
 from pathlib import Path
 
 from rlproxy.lru import LRU
+from rlproxy.mlx_threads import Worker
 from rlproxy.serving.engine import Engine, Job, SamplingParams, asyncio_delivery
-from rlproxy.serving.mlx_threads import Worker
 from rlproxy.tinker import models
 from rlproxy.tinker.wire import UserError
 

@@ -1,8 +1,8 @@
 """What the Tinker API keeps between requests (the worker, runs, client handles, samplers,
-futures, and the counts /healthz and /metrics read through `TinkerState.health`), the app key it
-lives under, and the small helpers every handler shares: JSON in (JSON out is api/edge.py's
+futures, and the counts /healthz and /metrics read through `TinkerState.health`, by its app key
+in appkeys.py), and the small helpers every handler shares: JSON in (JSON out is
 `json_response`), and where a named checkpoint lives on disk. No handlers here, and no MLX: the
-worker and sampler types are named for type checkers only, so ops/ may import this module.
+worker and sampler types are named for type checkers only.
 
 Every client string that becomes part of a path passes `checked_name` (and the path a
 containment check), so no name reaches the disk as '.', '..', a separator or a hidden folder:
@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
+from rlproxy.appkeys import TINKER
 from rlproxy.tinker.futures import FutureStore
 from rlproxy.tinker.wire import UserError
 
 if TYPE_CHECKING:
-    from rlproxy.serving.mlx_threads import Worker
+    from rlproxy.mlx_threads import Worker
     from rlproxy.tinker.sampling import Samplers
 
 # fullmatch ("x\n" is not a name). No leading '.': not '.' or '..', nor the hidden temp
@@ -52,11 +53,6 @@ class TinkerState:
         return {"models": len(self.runs), "handles": len(self.models),
                 "forward_backward": self.forward_backward, "optim_steps": self.optim_steps,
                 "samplers": len(self.samplers.sessions)}
-
-
-TINKER = web.AppKey("tinker", TinkerState)
-
-
 
 
 async def read_json(request: web.Request) -> dict:

@@ -22,13 +22,12 @@ from pathlib import Path
 from aiohttp import web
 
 from rlproxy import paths
-from rlproxy.api.edge import json_response  # a helper, not a component
 from rlproxy.appkeys import ENGINE, LIVE, MODEL, RECORD_INDEX, SCORER, SESSIONS, SETTINGS, \
     TRAINER
 from rlproxy.ops import metrics, status
 from rlproxy.ops.health import trainer_health
 from rlproxy.ops.ui.index import RecordIndex
-from rlproxy.protocol import APIError
+from rlproxy.protocol import APIError, json_response
 
 STATIC = Path(__file__).resolve().parent / "static"
 COOKIE = "rlproxy_api_key"
