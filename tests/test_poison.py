@@ -385,10 +385,10 @@ def test_a_batch_a_remote_learner_keeps_failing_on_is_charged_then_quarantined(
     t = offline_trainer(own, tmp_path, batch_size=2, save_interval=1000, baseline="none")
     failing_learner(t, LearnerFailed("forward_backward: RequestFailedError: out of memory"))
     batch = [make_scored(own, "poison-1", [5, 6, 7]), make_scored(own, "good", [8, 9])]
-    results = [t.train_or_wait_for_disk(batch) for _ in range(control.LEARNER_FAILED_TRIES)]
+    results = [t.train_or_wait(batch) for _ in range(control.LEARNER_FAILED_TRIES)]
     assert results == [False] * (control.LEARNER_FAILED_TRIES - 1) + [True]
     assert steps_of(tmp_path) == [(1, ["good"])]
-    assert "poison-1" in t.journal.quarantined and t.learner_failures == 0
+    assert "poison-1" in t.journal.quarantined and t.runner.learner_failures == 0
     assert "out of memory" in str(t.journal.quarantined["poison-1"])
     t.stop()
 
@@ -410,12 +410,12 @@ def test_a_learner_that_is_down_never_charges_the_turns(own, tmp_path, monkeypat
     batch = [make_scored(own, "a", [5, 6, 7]), make_scored(own, "b", [8, 9])]
     batch[1]["reward"] = -1.0
     batch[1]["advantages"] = [-1.0] * 2
-    assert not any(t.train_or_wait_for_disk(batch) for _ in range(6))
+    assert not any(t.train_or_wait(batch) for _ in range(6))
     assert not t.journal.quarantined and not t.journal.failures and not steps_of(tmp_path)
     assert "waits for the learner (try 6" in t.error
     assert t.baseline_n == 2
     down["poison"] = False
-    assert t.train_or_wait_for_disk(batch)
+    assert t.train_or_wait(batch)
     assert steps_of(tmp_path) == [(1, ["a", "b"])] and t.error is None
     assert t.baseline_n == 2
     t.stop()
@@ -423,14 +423,14 @@ def test_a_learner_that_is_down_never_charges_the_turns(own, tmp_path, monkeypat
 
 def test_a_later_epoch_failing_does_not_retrain_the_applied_update(own, tmp_path):
     t = offline_trainer(own, tmp_path, batch_size=2, train_epochs=2, save_interval=1000)
-    real = t.train_step
+    real = t.runner.train_step
 
     def second_epoch_breaks(examples, epoch=0):
         if epoch == 1:
             raise RuntimeError("epoch 2 broke")
         return real(examples, epoch)
 
-    t.train_step = second_epoch_breaks
+    t.runner.train_step = second_epoch_breaks
     t.train_journaled([make_scored(own, "a", [5, 6, 7]), make_scored(own, "b", [8, 9])])
     assert steps_of(tmp_path) == [(1, ["a", "b"])] and t.step == 1
     assert not t.journal.quarantined and {"a", "b"} <= set(t.trained)
@@ -464,7 +464,7 @@ def test_every_turn_failing_alike_pauses_training_instead_of_quarantining_all(ow
             t.train_journaled([make_scored(own, uid, [5, 6, 7])])
     assert t.paused and "training paused" in t.error and "NotImplementedError" in t.error
     assert set(t.journal.quarantined) == {"a", "b"}  # c was not quarantined, d not tried
-    assert t.inbox.get_nowait()["turn"]["uid"] == "c"  # kept for after the resume
+    assert t.books.inbox.get_nowait()["turn"]["uid"] == "c"  # kept for after the resume
     t.unpause()
     assert t.error is None and not t.paused
     t.stop()
@@ -472,17 +472,16 @@ def test_every_turn_failing_alike_pauses_training_instead_of_quarantining_all(ow
 
 def test_an_update_for_a_waiting_turn_replaces_it_and_queued_is_pruned(own, tmp_path):
     t = offline_trainer(own, tmp_path, batch_size=2, save_interval=1000, max_context_tokens=40)
-    t._running = True  # _collect as the trainer thread runs it
     a, b = make_scored(own, "a", [5, 6, 7]), make_scored(own, "b", [8, 9])
     t.submit(a)
     t.submit(b)
     t.submit({**a, "reward": 0.25, "update": True})  # feedback while a waits in the inbox
-    batch = t._collect()
+    batch = t.books.next_batch(t.t.batch_size)  # as the trainer thread collects it
     assert [(s["turn"]["uid"], s["reward"]) for s in batch] == [("a", 0.25), ("b", 1.0)]
-    assert t.inbox.empty()
+    assert t.books.inbox.empty()
     t.train_journaled(batch)
     t._done(batch)
-    assert t.queued == set() and steps_of(tmp_path) == [(1, ["a", "b"])]
+    assert t.books.queued == set() and steps_of(tmp_path) == [(1, ["a", "b"])]
 
     long = make_scored(own, "long", [5] * 60)  # over max_context_tokens: skipped
     for _ in range(2):  # e.g. resubmitted by a restart: one `skipped` line, queued pruned
@@ -490,7 +489,7 @@ def test_an_update_for_a_waiting_turn_replaces_it_and_queued_is_pruned(own, tmp_
         t.train_journaled([long])
         t._done([long])
     skipped = [ln for ln in read_records(tmp_path, "training.jsonl") if ln["kind"] == "skipped"]
-    assert [ln["uid"] for ln in skipped] == ["long"] and t.queued == set()
+    assert [ln["uid"] for ln in skipped] == ["long"] and t.books.queued == set()
     t.stop()
 
 
@@ -507,7 +506,7 @@ def test_a_second_rollback_request_rejects_the_first(own, tmp_path):
     second = t.request_rollback(2)
     with pytest.raises(RollbackSuperseded):
         first.result(timeout=1)
-    assert not second.done() and t._rollback_request[0].name == "step_000002"
+    assert not second.done() and t.operator.pending[0].name == "step_000002"
     t.stop()
 
 
@@ -522,7 +521,7 @@ def test_a_pending_rollback_target_survives_the_prune_of_later_saves(own, tmp_pa
     kept = sorted(p.name for p in t.learner.checkpoints.glob("step_*"))
     assert kept == ["step_000001", "step_000004", "step_000005"]
     assert not pending.done()
-    t._control()  # the trainer thread's turn: it loads the pinned checkpoint
+    t.operator.between_batches()  # the trainer thread's turn: it loads the pinned checkpoint
     assert pending.result(timeout=1)["checkpoint_step"] == 1
     t.stop()
 

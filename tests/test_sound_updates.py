@@ -105,7 +105,7 @@ def test_a_batch_of_equal_rewards_takes_no_step_and_publishes_nothing(own, tmp_p
         assert (trainer.step, trainer.version) == (1, 1)
         assert trainer.stats.skipped_steps == 1 and trainer.stats.skipped == 8
         keys = [s["key"] for s in batch]
-        assert not trainer.queued & set(keys) and set(keys) <= set(trainer.trained)
+        assert not trainer.books.queued & set(keys) and set(keys) <= set(trainer.trained)
         skipped = read_records(tmp_path, "training.jsonl")[-1]
         assert skipped["kind"] == "skipped" and sorted(skipped["uids"]) == sorted(keys)
         assert "every advantage of its 8 turns is 0" in skipped["reason"]

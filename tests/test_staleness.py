@@ -92,7 +92,7 @@ def test_several_epochs_clip_against_the_weights_before_the_first(own, tmp_path)
         return real(examples, between)
     trainer.learner.forward_backward = forward_backward
     batch = [scored(own, "a", [0, 0, 0]), scored(own, "b", [0, 0])]
-    examples = [trainer._example(s) for s in batch]
+    examples = [trainer.runner.example(s) for s in batch]
     before = [chunked_logprobs(trainer.learner.model, mx.array(e["ids"][:-1])[None],
                                mx.array(e["ids"][1:])[None], e["mask"], 128)[0].tolist()
               for e in examples]

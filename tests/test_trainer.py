@@ -352,13 +352,13 @@ def test_an_item_trains_its_own_choice_under_its_key_and_a_baselined_one_keeps_i
     other = {"turn": turn, "choice": 1, "key": f"{turn['uid']}/1", "reward": 0.5,
              "advantages": [0.25] * 10, "baselined": True}
     try:
-        trainer.baseline, trainer.baseline_n = 0.4, 3
-        ex = trainer._example(other)
+        trainer.progress.baseline, trainer.progress.baseline_n = 0.4, 3
+        ex = trainer.runner.example(other)
         assert ex["ids"] == turn["prompt_ids"] + b["turn"]["choices"][0]["completion_ids"]
         assert ex["uids"] == [f"{turn['uid']}/1"]
         assert ex["adv"][-10:] == [0.25] * 10  # the group baseline stands: no running mean
         assert (trainer.baseline, trainer.baseline_n) == (0.4, 3)
-        ex = trainer._example(a)  # an old-style item: the chosen choice, keyed by its uid
+        ex = trainer.runner.example(a)  # an old-style item: the chosen choice, keyed by its uid
         assert ex["uids"] == [turn["uid"]] and ex["ids"][-10:] == \
             turn["choices"][0]["completion_ids"]
         assert ex["adv"][-10:] == pytest.approx([a["reward"] - 0.4] * 10)
@@ -366,7 +366,7 @@ def test_an_item_trains_its_own_choice_under_its_key_and_a_baselined_one_keeps_i
         trainer.train_batch([a, other])
         assert set(trainer.trained) >= {turn["uid"], f"{turn['uid']}/1"}
         trainer.submit(other)  # trained: not again
-        assert trainer.inbox.qsize() == 0
+        assert trainer.books.inbox.qsize() == 0
     finally:
         trainer.writer.close()
         trainer.journal.close()
@@ -416,7 +416,7 @@ def test_released_turns_rebuilds_every_released_choice(tmp_path):
 
 def test_trained_keys_are_bounded_once_running_and_the_queue_has_a_cap(own, tmp_path,
                                                                        monkeypatch):
-    import rlproxy.training.loop as trainer_module
+    import rlproxy.training.books as books_module
     from rlproxy.lru import LRU
 
     keys = LRU(2)  # the trainer's key sets: an LRU used as a set
@@ -427,14 +427,14 @@ def test_trained_keys_are_bounded_once_running_and_the_queue_has_a_cap(own, tmp_
     keys.add("d")  # the oldest, c, goes: b was added again
     assert list(keys) == ["b", "d"]
 
-    monkeypatch.setattr(trainer_module, "TRAINED_KEEP", 3)
-    monkeypatch.setattr(trainer_module, "MAX_QUEUED", 5)
+    monkeypatch.setattr(books_module, "TRAINED_KEEP", 3)
+    monkeypatch.setattr(books_module, "MAX_QUEUED", 5)
     settings = make_settings(tmp_path, train=True, batch_size=4, save_interval=1000)
     trainer = Trainer(settings, training_copy(own), own.lora_config, data_dir=tmp_path)
-    trainer.mark_trained(["k1", "k2", "k3", "k4", "k5"])  # as read from a long training.jsonl
+    trainer.books.mark_trained(["k1", "k2", "k3", "k4", "k5"])  # as from a long training.jsonl
     for i in range(8):
         trainer.submit(random_item(own.vocab_size, 100 + i))
-    assert len(trainer.queued) == 5 and trainer.inbox.qsize() == 5
+    assert len(trainer.books.queued) == 5 and trainer.books.inbox.qsize() == 5
     assert trainer.stats.dropped == 3
     trainer.start()  # trims: start-up has resubmitted what needed the whole history
     try:
@@ -462,11 +462,11 @@ def test_submit_from_many_threads_while_the_trainer_trains(own, tmp_path):
         for th in threads:
             th.join()
         deadline = time.time() + 60
-        while (trainer.queued or trainer.inbox.qsize()) and time.time() < deadline:
+        while (trainer.books.queued or trainer.books.inbox.qsize()) and time.time() < deadline:
             time.sleep(0.05)
     finally:
         trainer.stop()
-    assert not trainer.queued and trainer.error is None
+    assert not trainer.books.queued and trainer.error is None
     trained = [u for ln in read_records(tmp_path, "training.jsonl") if ln["kind"] == "step"
                for u in ln["uids"]]
     assert sorted(trained) == sorted(s["turn"]["uid"] for s in items)
@@ -483,9 +483,9 @@ def test_a_trainer_stopped_while_paused_trains_nothing(own, tmp_path):
     for i in range(2):
         trainer.submit(random_item(own.vocab_size, 500 + i))
     deadline = time.time() + 30
-    while not trainer.inbox.empty() and time.time() < deadline:
+    while not trainer.books.inbox.empty() and time.time() < deadline:
         time.sleep(0.01)
-    time.sleep(0.5)  # the full batch is collected and held in _control by the pause
+    time.sleep(0.5)  # the full batch is collected and held between batches by the pause
     trainer.stop()
     after = lora_weights(trainer.learner.model)
     assert trainer.step == 0 and not trainer.trained

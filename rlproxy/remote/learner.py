@@ -43,13 +43,15 @@ from rlproxy.serving.model import lora_weights
 from rlproxy.settings import Settings
 from rlproxy.training import schedule
 from rlproxy.training.checkpoints import read_checkpoint, save_checkpoint
-from rlproxy.training.learner import ForwardBackwardOutput, OptimStepOutput
+from rlproxy.training.learner import ForwardBackwardOutput, OptimStepOutput, ResumePoint
+from rlproxy.training.restart import last_recorded
 
 log = logging.getLogger("rlproxy.remote")
 INIT_SEED = 0  # a new run's LoRA init: the same for every run, so runs can be compared
-RUN_STEP = "rlproxy_run_step"
+RUN_STEP = "rlproxy_run_step"  # an rlproxy learner's optim_step metric: the run's step count
 START_TIMEOUT_S = 15.0  # the longest wait to join a run: the learner answers a join at once
-JOIN_RETRY_S = 4.0  # a join that failed is not tried again sooner (start-up's several calls)  # an rlproxy learner's optim_step metric: the run's step count
+JOIN_RETRY_S = 4.0  # a join that failed is not tried again sooner (start-up's several calls)
+CHECK_EVERY_S = 30.0  # an idle replica looks for other replicas' steps this often
 
 
 @dataclass
@@ -66,11 +68,22 @@ class SyncStats:
 class RemoteLearner:
     """The learner on a Tinker service. MODEL is a local LoRA copy of the serving model (its
     layout is what the downloaded weights must fit; the eval gate measures on it), or None
-    with --sampler tinker, where the service also samples and nothing is downloaded."""
+    with --sampler tinker, where the service also samples and nothing is downloaded.
+
+    Unlike the local learner, its weights come back over the network (every --sync-every
+    steps, and may fail to), other replicas may step the same run (looked for every
+    CHECK_EVERY_S while idle), and the run outlives this process: a restart goes on from
+    the last step recorded and loses none."""
+
+    backend = "tinker"
+    record_stamp = {"backend": "tinker"}
+    off_policy = "coupled"  # Tinker's ppo clips against the behaviour log-probs
+    check_every = CHECK_EVERY_S
 
     def __init__(self, settings: Settings, model: nn.Module | None, lora_config: dict,
                  checkpoints: Path, base_model: str, identity: dict):
         self.t, self.settings, self.r = settings.trainer, settings, settings.remote
+        self.publish_every = self.r.sync_every
         self.model, self.lora_config, self.checkpoints = model, lora_config, Path(checkpoints)
         self.base_model, self.run, self.replica = base_model, identity["run"], identity["replica"]
         self.lr_scale = 1.0
@@ -199,7 +212,8 @@ class RemoteLearner:
         self.remote_step = int(step) if step is not None else None
         self.updates = self.remote_step if step is not None else self.updates + 1
         norm = next((v for k, v in metrics.items() if "grad_norm" in k), float("nan"))
-        return OptimStepOutput(float(norm), learning_rate, self.remote_step)
+        return OptimStepOutput(float(norm), learning_rate, self.remote_step,
+                               line={"run_step": self.remote_step})
 
     def went_back(self) -> tuple[int, int] | None:
         """(the run's step it resumed from, the last step seen before) once, after a step
@@ -228,9 +242,9 @@ class RemoteLearner:
         self.weights = got.weights
         return got.weights
 
-    def sync_weights(self, engine, version: int) -> dict[str, mx.array] | None:
-        """After a step: the run's weights for the engine (downloaded), or, with --sampler
-        tinker (no local model), None after pointing the engine's sampler at them."""
+    def weights_for(self, engine, version: int) -> dict[str, mx.array] | None:
+        """The run's weights to publish as VERSION, for the engine (downloaded), or, with
+        --sampler tinker (no local model), None after pointing the engine's sampler at them."""
         if self.model is None:
             engine.publish_sampler(self.sampler_path(), version)
             return None
@@ -314,6 +328,12 @@ class RemoteLearner:
         if state:
             self.updates = int(state.get("updates", state.get("step", 0)))
         return state, problems
+
+    def resume_point(self, data_dir: Path, step: int, version: int) -> ResumePoint:
+        """After checkpoint STEP (0: none): the run kept the steps after it, so numbering goes
+        on after what training.jsonl recorded, and no turn trains again (a run that lost steps
+        says so at the next step: `went_back`)."""
+        return ResumePoint(*last_recorded(data_dir, step, version))
 
     def snapshot(self) -> dict:
         """The eval gate's good state: the adapter served, and the run's state saved on the

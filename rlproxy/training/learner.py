@@ -8,17 +8,22 @@ TrainingClient (`forward_backward`, `optim_step`, `save_state`, `load_state`,
 `save_weights_for_sampler`) so that a learner on another machine can stand behind the same calls;
 as in Tinker, gradients accumulate inside it from `forward_backward` until `optim_step`.
 
+`Learner` lists the calls the trainer makes; LocalLearner (here, and distributed.py's
+ParallelLearner over the ranks of an mlx.launch) and remote/learner.py's RemoteLearner answer
+them. Where the two differ (whose weights are at hand, who else trains the adapter, what a
+restart loses) the learner says so through these calls, and the trainer asks no other question.
+
 Not here: which items train, batches, the journal, pacing, publishing, step lines
-(training/loop.py); one sequence's chunked forward and backward (training/chunked_grad.py); the
-checkpoint format on disk (training/checkpoints.py). Every call runs on the trainer thread, which
-owns the arrays, or before it starts.
+(training/runner.py, publisher.py); one sequence's chunked forward and backward
+(training/chunked_grad.py); the checkpoint format on disk (training/checkpoints.py). Every call
+runs on the trainer thread, which owns the arrays, or before it starts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +36,7 @@ from rlproxy.training import chunked_grad, losses, schedule
 from rlproxy.training.checkpoints import (
     layout_mismatch, load_checkpoint, read_checkpoint, save_checkpoint,
 )
+from rlproxy.training.journal import lost_steps
 
 
 class LearnerUnavailable(RuntimeError):
@@ -68,6 +74,49 @@ class OptimStepOutput:
     grad_norm: float  # before clipping
     learning_rate: float
     run_step: int | None = None  # a remote run's optimizer steps, every replica's (else None)
+    line: dict = field(default_factory=dict)  # what the step's line says of this learner
+
+
+@dataclass
+class ResumePoint:
+    """Where training goes on after a checkpoint: the step and adapter version, and the turns
+    (keys) of the LOST_STEPS steps recorded after it that the learner no longer holds."""
+
+    step: int
+    version: int
+    lost: set[str] = field(default_factory=set)
+    lost_steps: int = 0
+
+
+class Learner(Protocol):
+    """The calls the trainer makes (training/runner.py, publisher.py, saving.py, control.py)."""
+
+    backend: str  # /healthz's trainer `backend`
+    record_stamp: dict | None  # what every training.jsonl line says of the learner
+    off_policy: str  # what the step applies: "decoupled" or "coupled" (training/losses.py)
+    publish_every: int  # a step's weights are published every this many steps
+    check_every: float | None  # seconds between idle looks for others' steps (None: no one)
+    checkpoints: Path
+    lr_scale: float
+    weights: dict  # the adapter it holds now, asking no one (a learner elsewhere: last synced)
+
+    def too_big(self, ex: dict) -> str | None: ...
+    def forward_backward(self, examples: list[dict], between) -> ForwardBackwardOutput: ...
+    def proximal(self, examples: list[dict], between) -> None: ...
+    def learning_rate(self) -> float: ...
+    def optim_step(self, learning_rate: float) -> OptimStepOutput: ...
+    def went_back(self) -> tuple[int, int] | None: ...
+    def weights_for(self, engine, version: int) -> dict | None: ...
+    def fetch_changed(self) -> dict | None: ...
+    def save_state(self, step: int, version: int, metadata: dict) -> Path: ...
+    def load_state(self, path: Path) -> dict: ...
+    def resume_state(self, path: Path) -> tuple[dict | None, list[str]]: ...
+    def resume_point(self, data_dir: Path, step: int, version: int) -> ResumePoint: ...
+    def forget_state(self, checkpoint: Path) -> None: ...
+    def snapshot(self) -> dict: ...
+    def restore(self, snapshot: dict) -> None: ...
+    def health(self) -> dict: ...
+    def close(self) -> None: ...
 
 
 def training_copy(loaded) -> nn.Module:
@@ -87,7 +136,13 @@ def training_copy(loaded) -> nn.Module:
 
 
 class LocalLearner:
-    """The learner in this process, on the model it is given."""
+    """The learner in this process, on the model it is given. Its weights are at hand after
+    every step, no one else trains them, and a kill loses its steps since the last checkpoint."""
+
+    backend = "local"
+    record_stamp = None
+    publish_every = 1
+    check_every = None
 
     def __init__(self, settings: Settings, model: nn.Module, lora_config: dict,
                  checkpoints: Path, ref_model: nn.Module | None = None):
@@ -98,6 +153,8 @@ class LocalLearner:
         self.optimizer.init(model.trainable_parameters())
         mx.eval(self.optimizer.state)  # concrete now: the trainer thread must not build on it
         self.loss_fn = losses.trainer_loss(t.loss_fn, t.off_policy)
+        self.off_policy = ("decoupled" if t.off_policy == "decoupled"
+                           and t.loss_fn in losses.DECOUPLED else "coupled")
         self.lr_scale = 1.0  # times the schedule's rate; each gate rollback multiplies it
         self.grads = None  # accumulated by forward_backward since the last optim_step
         self.shape = chunked_grad.model_shape(model)
@@ -168,6 +225,9 @@ class LocalLearner:
         mx.eval(self.model.parameters(), self.optimizer.state, grad_norm)
         return OptimStepOutput(float(grad_norm.item()), learning_rate)
 
+    def went_back(self) -> None:
+        return None  # only this process steps it
+
     def health(self) -> dict:
         return {}  # nothing beyond the trainer's own object on /healthz
 
@@ -177,6 +237,17 @@ class LocalLearner:
     def save_weights_for_sampler(self) -> dict[str, mx.array]:
         """The adapter to serve (evaluated arrays, by LoRA parameter name)."""
         return lora_weights(self.model)
+
+    @property
+    def weights(self) -> dict[str, mx.array]:
+        return lora_weights(self.model)
+
+    def weights_for(self, engine, version: int) -> dict[str, mx.array]:
+        """The adapter to publish as VERSION: at hand."""
+        return self.save_weights_for_sampler()
+
+    def fetch_changed(self) -> None:
+        return None  # no one else trains it
 
     def set_weights(self, weights: dict[str, mx.array]) -> None:
         """Put WEIGHTS into the model (the optimizer state stays): the eval gate measures the
@@ -226,6 +297,15 @@ class LocalLearner:
         self.restore({"adapter": adapter,
                       "optimizer": self.optimizer.state if opt_state is None else opt_state})
         return state, problems
+
+    def resume_point(self, data_dir: Path, step: int, version: int) -> ResumePoint:
+        """After checkpoint STEP (0: none) of adapter VERSION: the steps recorded after it died
+        with the process that took them, and their turns train again."""
+        n, lost = lost_steps(data_dir, step)
+        return ResumePoint(step, version, lost, n)
+
+    def forget_state(self, checkpoint: Path) -> None:
+        pass  # a pruned checkpoint's folder is all there is
 
     def snapshot(self) -> dict:
         """The adapter and optimizer state, for `restore` (arrays are immutable: references
