@@ -284,7 +284,7 @@ def decode_window(engine: Engine, loaded: LoadedModel, clients: Clients, turns: 
             trainer = Trainer(settings, training_copy(loaded), loaded.lora_config, engine)
 
             def top_up():  # keep two batches queued: the trainer never waits for data
-                while trainer.inbox.qsize() < 2 * settings.trainer.batch_size:
+                while trainer.books.inbox.qsize() < 2 * settings.trainer.batch_size:
                     uids[0] += 1
                     trainer.submit(scored_turn(prompt_ids, turns[uids[0] % len(turns)], uids[0]))
 
@@ -397,7 +397,7 @@ def measure_steps(loaded: LoadedModel, turns: list, prompt_ids: list[int], size:
     t = settings.trainer
     trainer = Trainer(settings, training_copy(loaded), loaded.lora_config)  # no engine: no swaps
     batch = [scored_turn(prompt_ids, turns[k % len(turns)], k) for k in range(t.batch_size)]
-    examples = [trainer._example(s) for s in batch]  # the trainer's own conversion, once
+    examples = [trainer.runner.example(s) for s in batch]  # the trainer's own conversion, once
     model = training_copy(loaded)  # same base arrays, same LoRA layers and initial values
     optimizer = optim.AdamW(learning_rate=t.learning_rate, weight_decay=t.weight_decay)
     optimizer.init(model.trainable_parameters())
@@ -405,7 +405,7 @@ def measure_steps(loaded: LoadedModel, turns: list, prompt_ids: list[int], size:
     ppo_s, sft_s = [], []
     for i in range(warmup + repeats):
         tic = time.perf_counter()
-        trainer.train_step(examples)
+        trainer.runner.train_step(examples)
         p = time.perf_counter() - tic
         s = sft_step(model, optimizer, grad_fn, examples)
         if i >= warmup:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from serve_process import free_port, server_env, wait_healthy
+from rlproxy.ops.served import free_port, server_env, wait_healthy
 
 SESSIONS = 6  # the even ones pause ("a long tool call") after a few turns; the odd ones don't
 KILL_AFTER = 20  # acknowledged turns, over all sessions, before the SIGKILL

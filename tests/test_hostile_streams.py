@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from serve_process import free_port, server_env, wait_healthy
+from rlproxy.ops.served import free_port, server_env, wait_healthy
 from conftest import ServerThread, make_settings, read_records
 
 REPO = Path(__file__).resolve().parents[1]

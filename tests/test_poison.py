@@ -32,8 +32,8 @@ from rlproxy.training import control
 from rlproxy.training.journal import JOURNAL
 from rlproxy.training.learner import LearnerFailed, LearnerUnavailable
 from rlproxy.training.loop import Trainer, training_copy
-from conftest import ServerThread, make_settings, read_records
-from serve_process import free_port, server_env, wait_healthy
+from conftest import ServerThread, make_settings, read_records, tiny_copy
+from rlproxy.ops.served import free_port, server_env, wait_healthy
 from test_durability import read_lines, stop
 
 REPO = Path(__file__).resolve().parents[1]
@@ -186,7 +186,7 @@ def wait_until(check, timeout: float = 60, what: str = ""):
 
 @pytest.fixture(scope="module")
 def own():
-    return load_serving_model(ModelSettings(model="tiny"))  # trained here: a private copy
+    return tiny_copy()  # trained here: a private copy, shared by this module's tests
 
 
 def test_a_step_that_raises_is_retried_turn_by_turn_and_its_turn_quarantined(own, tmp_path):

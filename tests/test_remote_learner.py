@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from conftest import read_records
-from serve_process import free_port, server_env, wait_healthy
+from rlproxy.ops.served import free_port, server_env, wait_healthy
 
 TESTS = Path(__file__).resolve().parent
 KEY = "tml-remote-test"

@@ -25,14 +25,6 @@ from conftest import make_settings, read_records
 from test_trainer import sample, scored, setup
 
 
-@pytest.fixture
-def own():
-    # Weights change: a private copy. Its lora_a is seeded: drawn from MLX's global generator,
-    # it depended on what earlier tests in the worker had drawn, and a draw seen once let the
-    # collapse tests' candidate stay unreadable text instead of collapsing (blank share 0.11).
-    return load_serving_model(ModelSettings(model="tiny"), lora_seed=0)
-
-
 # ---- building items the way the scorer does: release lines, then released items ----
 
 def group_items(prompt, completions, rewards, mode="group", std_floor=scoring.STD_FLOOR,

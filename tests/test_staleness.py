@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_settings, read_records
+from conftest import make_settings, read_records, tiny_copy
 from rlproxy.ops import metrics
-from rlproxy.serving.model import load_serving_model
-from rlproxy.settings import ModelSettings
 from rlproxy.training.examples import pack, staleness, turn_example
 from rlproxy.training.learner import training_copy
 from rlproxy.training.loop import Trainer
@@ -17,7 +15,7 @@ from rlproxy.training.loop import Trainer
 
 @pytest.fixture(scope="module")
 def own():
-    return load_serving_model(ModelSettings(model="tiny"))  # trained here: a private copy
+    return tiny_copy()  # trained here: a private copy, shared by this module's tests
 
 
 def scored(own, uid: str, versions: list[int]) -> dict:

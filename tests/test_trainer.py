@@ -34,11 +34,6 @@ def target_reward(turn, next_state):
     return 2 * sum(i in TARGET for i in ids) / max(1, len(ids)) - 1
 
 
-@pytest.fixture
-def own():
-    return load_serving_model(ModelSettings(model="tiny"))  # weights change in these tests: a private copy
-
-
 def sample(engine, prompt, n, seed0, max_tokens=12):
     queues = []
     for i in range(n):

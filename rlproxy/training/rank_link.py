@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 import orjson
 
-from rlproxy.serving.mlx_threads import Worker
+from rlproxy.mlx_threads import Worker
 from rlproxy.training.learner import LearnerUnavailable
 
 log = logging.getLogger(__name__)
