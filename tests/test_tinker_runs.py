@@ -218,7 +218,9 @@ def test_a_client_that_stops_heartbeating_frees_its_run(tiny, tmp_path, monkeypa
     stop for SESSION_EXPIRY_S: then the run is saved and makes room like an idle one; a run
     whose client keeps beating is never taken."""
     from rlproxy.tinker import runs
-    monkeypatch.setattr(runs, "SESSION_EXPIRY_S", 1.0)  # the SDK beats every 10 s: by hand
+    # the SDK beats every 10 s: by hand, every 0.2 s, against an expiry that leaves a beat slow
+    # on a loaded machine seconds of room (1 s expired the live one too at load average 15)
+    monkeypatch.setattr(runs, "SESSION_EXPIRY_S", 3.0)
     data = [sft_datum(TEXT[0])]
     with ServerThread(make_settings(tmp_path, tinker_max_models=2), tiny) as s:
         alive = join(service(s.url), tiny.model_id, "h2")  # the least recently used run
@@ -226,7 +228,8 @@ def test_a_client_that_stops_heartbeating_frees_its_run(tiny, tmp_path, monkeypa
         silent.forward_backward(data, "cross_entropy").result()
         silent.optim_step(LR).result()
         sid = alive.model_id.split(":")[0]
-        for _ in range(8):  # h2's session beats; h1's is silent past the expiry
+        silent_since = time.monotonic()
+        while time.monotonic() - silent_since < 4.0:  # h2 beats; h1 is silent past the expiry
             req = urllib.request.Request(
                 s.url + "/api/v1/session_heartbeat", data=json.dumps({"session_id": sid})
                 .encode(), headers={"X-API-Key": KEY, "Content-Type": "application/json"})
