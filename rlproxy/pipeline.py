@@ -5,7 +5,9 @@ A finished main turn goes from the session store to the scorer (`on_trainable`, 
 trainer (`on_released`); the trainer publishes adapters to the engine. Each part is built with
 its sink, so `build_pipeline` reads top to bottom as that sentence does (built back to front:
 a sink exists before what feeds it). `pipeline_context` starts and stops the three in one
-place, in an order written out below rather than implied by the app's cleanup contexts.
+place, in an order written out below rather than implied by the app's cleanup contexts. What
+each part starts from is read from the records once, by `recover` (recovery.py), after the
+trainer (which reads its own files) says which keys it has handled.
 
 Owns no behaviour of its own: the store, the scorer and the trainer are in sessions/, scoring/
 and training/; the engine and the model it is given are built by app.py.
@@ -31,11 +33,12 @@ from rlproxy.serving.model import LoadedModel, load_base_model
 from rlproxy.sessions.store import SessionStore, sweep_idle_forever
 from rlproxy.settings import Settings
 from rlproxy.paths import RANK0_LOG
+from rlproxy.recovery import recover, trainer_start
 from rlproxy.training import distributed
-from rlproxy.training.items import released_turns
 from rlproxy.training.rank_link import Link
 from rlproxy.training.learner import training_copy
 from rlproxy.training.loop import Trainer
+from rlproxy.training.restart import TrainerStart
 
 
 @dataclass
@@ -53,21 +56,32 @@ def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine,
     judge_name = (base_model_name(settings, model) if isinstance(judge, TinkerJudge)
                   else settings.scoring.judge_model if isinstance(judge, RemoteJudge)
                   else settings.model.model)
+    data_dir = settings.records.data_dir
     trainer = scorer = None
     try:
-        trainer = (make_trainer(settings, model, engine, ranks) if settings.trainer.train
-                   else None)
+        trainer = (make_trainer(settings, model, engine, ranks, trainer_start(data_dir))
+                   if settings.trainer.train else None)
+        # every record file read once, for what each part starts from (recovery.py)
+        handled = trained_or_quarantined(trainer) if trainer is not None else None
+        state = recover(data_dir, settings, handled)
+        if trainer is not None:
+            # released before a restart but not trained yet: train them now (the trainer has
+            # read its journal: quarantined turns stay out, a crashed step's turns come back
+            # alone)
+            for scored in state.trainer.released:
+                trainer.submit(scored)
         # a released item goes to the trainer (a thread-safe submit)
-        scorer = Scorer(settings.scoring, settings.records.data_dir, judge, teacher,
-                        model.tokenizer, fsync=settings.records.fsync,
+        scorer = Scorer(settings.scoring, data_dir, judge, teacher, model.tokenizer,
+                        state.scorer, fsync=settings.records.fsync,
                         baseline=settings.trainer.baseline, judge_name=judge_name,
                         on_released=trainer.submit if trainer is not None else None)
         # a finished main turn goes to the scorer; a closed session tells it no next state comes
-        store = SessionStore(settings.records.data_dir, settings.sessions.session_idle_timeout_s,
+        store = SessionStore(data_dir, settings.sessions.session_idle_timeout_s,
                              fsync=settings.records.fsync, on_trainable=scorer.submit,
                              on_closed=scorer.session_closed,
                              max_open_sessions=settings.sessions.max_open_sessions,
-                             train_sessions_matching=settings.sessions.train_sessions_matching)
+                             train_sessions_matching=settings.sessions.train_sessions_matching,
+                             start=state.store)
     except BaseException:  # what was built closes its files and threads before the error goes up
         if trainer is not None:
             trainer.stop()
@@ -111,7 +125,8 @@ def make_judges(settings: Settings, model: LoadedModel, engine: Engine):
 
 
 def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine,
-                 ranks: Link | None = None) -> Trainer:
+                 ranks: Link | None = None, start: TrainerStart | None = None) -> Trainer:
+    """START: the trainer's records as recovery.py read them (None: read them now)."""
     with phase("made the trainer's model"):  # no local weights with --sampler tinker
         model = training_copy(loaded) if loaded.model is not None else None
     learner = None  # the local one; --trainer tinker: a Tinker service's (remote/learner.py)
@@ -121,22 +136,23 @@ def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine,
     ref = load_base_model(settings.model)[0] if settings.trainer.kl_coef > 0 else None
     trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref,
                       vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer, learner=learner,
-                      ranks=ranks)
+                      ranks=ranks, start=start)
     try:
         trainer.resume()
         if learner is not None:  # serve the run's newest weights (another replica's steps)
             trainer.sync_now()
-        # released before a restart but not trained yet: train them now (the trainer has read
-        # its journal: quarantined turns stay out, a crashed step's turns come back alone)
-        s = settings.scoring
-        for scored in released_turns(settings.records.data_dir, s.w_opd, s.w_rl,
-                                     skip=trainer.trained,
-                                     max_attempts=settings.trainer.max_step_attempts):
-            trainer.submit(scored)
     except BaseException:
         trainer.stop()  # its journal and record writers
         raise
     return trainer
+
+
+def trained_or_quarantined(trainer: Trainer) -> set[str]:
+    """Keys the trainer will not take again: trained (training.jsonl, less the steps a resume
+    redoes) or quarantined. Its journal quarantined every key whose attempts are spent when it
+    was read (training/journal.py), so this is what `released_turns` skips, without reading
+    the two files again."""
+    return set(trainer.trained) | set(trainer.journal.quarantined)
 
 
 def ranks_context(settings: Settings):

@@ -390,11 +390,7 @@ def test_restart_during_outage_loses_no_turn(tiny, tmp_path, judge):
 
 
 @pytest.mark.parametrize("verdict", ["votes", "logprob"])
-def test_local_judge_leaves_the_serving_adapter_alone(tmp_path, verdict):
-    from rlproxy.serving.model import load_serving_model
-    from rlproxy.settings import ModelSettings
-
-    own = load_serving_model(ModelSettings(model="tiny"))  # this test's own copy: weights are compared
+def test_local_judge_leaves_the_serving_adapter_alone(own, tmp_path, verdict):
     before = {k: mx.array(v) for k, v in lora_weights(own.model).items()}
     with ServerThread(make_settings(tmp_path, prm_m=2, prm_verdict=verdict), own) as s:
         run_session(s, "local", ["thanks", "and another"])
@@ -560,12 +556,14 @@ def fake_turn(session: str, index: int, final: bool) -> dict:
 async def test_the_scorer_forgets_finished_sessions_and_reads_its_records_back(tmp_path):
     from rlproxy.paths import CONVERSATIONS
     from rlproxy.records import JsonlWriter
-    from rlproxy.scoring.scorer import Scorer
+    from rlproxy.recovery import recover
+    from rlproxy.scoring.scorer import Scorer, ScorerStart
 
     settings = make_settings(tmp_path, judge=False, reward_functions=["test_scoring:minus_one"])
     turns = JsonlWriter(tmp_path / CONVERSATIONS, fsync=False)
-    scorer = Scorer(settings.scoring, tmp_path, None, None, None, fsync=False,
-                    keep_recent=3, keep_scored=8)
+    scorer = Scorer(settings.scoring, tmp_path, None, None, None,
+                    ScorerStart.fresh(settings.scoring, keep_recent=3, keep_scored=8),
+                    fsync=False)
     released: list[dict] = []
     scorer.on_released = released.append
     task = asyncio.create_task(scorer.run())
@@ -602,8 +600,9 @@ async def test_the_scorer_forgets_finished_sessions_and_reads_its_records_back(t
     assert [(r["uid"], r["reward"], r["reason"]) for r in again[-2:]] == [
         ("s19-0", 0.5, "feedback"), ("s17-0", 0.5, "feedback")]
     # a restart: nothing is scored or released twice, and the latest turns are at hand again
-    scorer = Scorer(settings.scoring, tmp_path, None, None, None, fsync=False,
-                    keep_recent=3, keep_scored=8)
+    scorer = Scorer(settings.scoring, tmp_path, None, None, None,
+                    recover(tmp_path, settings, keep_recent=3, keep_scored=8).scorer,
+                    fsync=False)
     try:
         assert scorer.queue.empty() and scorer.pending == 0 and scorer.ledger.tallies == {}
         assert set(scorer.recent) == {"s18-1", "s19-0", "s19-1"}
@@ -621,6 +620,7 @@ def test_feedback_read_back_is_never_lifted_and_keeps_its_reward(tmp_path):
     import orjson
 
     from rlproxy.paths import SCORES
+    from rlproxy.recovery import recover
     from rlproxy.scoring.ledger import Release
     from rlproxy.scoring.scorer import Scorer
 
@@ -633,7 +633,9 @@ def test_feedback_read_back_is_never_lifted_and_keeps_its_reward(tmp_path):
               score("a0", 0, -0.5, False), score("a1", 1, -1.0, True),
               {"kind": "feedback", "uid": "a1", "session_id": "s", "reward": -1.0}]
     (tmp_path / SCORES).write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines_))
-    scorer = Scorer(make_settings(tmp_path).scoring, tmp_path, None, None, None, fsync=False)
+    settings = make_settings(tmp_path)
+    scorer = Scorer(settings.scoring, tmp_path, None, None, None,
+                    recover(tmp_path, settings).scorer, fsync=False)
     try:
         assert scorer.ledger.settle() == [Release("a0", -1.0, "session_closed"),
                                           Release("a1", -1.0, "session_closed")]

@@ -10,15 +10,15 @@ import time
 import uuid
 from dataclasses import asdict
 
-import pytest
 import requests
 
 from rlproxy.api.tags import TurnTags
 from rlproxy.appkeys import SCORER, SESSIONS
+from rlproxy.recovery import recover
 from rlproxy.sessions.store import SessionStore, sweep_idle_forever
 from rlproxy.sessions.turn import Turn
 
-from conftest import ServerThread, make_settings, read_records
+from conftest import make_settings, read_records
 
 
 def file_turn(store, tags: TurnTags, messages: list[dict], reply: str = "ok",
@@ -89,12 +89,6 @@ def test_only_the_latest_closed_sessions_continue_their_numbering(tmp_path, monk
 
 # ---- closing in slices ----
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    with ServerThread(make_settings(tmp_path_factory.mktemp("data")), tiny) as s:
-        yield s
-
-
 def test_closing_thousands_of_idle_sessions_leaves_healthz_quick(server, tmp_path):
     """Issue 13: closing 2,589 idle sessions at once froze the server for 2.25 s."""
     store = SessionStore(tmp_path, idle_timeout_s=3600, fsync=True)
@@ -160,7 +154,8 @@ def test_train_sessions_matching_and_the_header(tmp_path):
         uids[sid] = file_turn(store, tags, user(sid)).uid
     store.close()
     store = SessionStore(tmp_path, idle_timeout_s=3600, fsync=False,  # a restart between
-                         on_trainable=trained.append, train_sessions_matching=r"^prod-")
+                         on_trainable=trained.append, train_sessions_matching=r"^prod-",
+                         start=recover(tmp_path, make_settings(tmp_path)).store)
     for sid in ("prod-1", "dev-1", "dev-2", "prod-2"):
         store.end(sid, "ended")
     store.close()

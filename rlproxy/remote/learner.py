@@ -329,11 +329,11 @@ class RemoteLearner:
             self.updates = int(state.get("updates", state.get("step", 0)))
         return state, problems
 
-    def resume_point(self, data_dir: Path, step: int, version: int) -> ResumePoint:
+    def resume_point(self, lines: list[dict], step: int, version: int) -> ResumePoint:
         """After checkpoint STEP (0: none): the run kept the steps after it, so numbering goes
         on after what training.jsonl recorded, and no turn trains again (a run that lost steps
         says so at the next step: `went_back`)."""
-        return ResumePoint(*last_recorded(data_dir, step, version))
+        return ResumePoint(*last_recorded(lines, step, version))
 
     def snapshot(self) -> dict:
         """The eval gate's good state: the adapter served, and the run's state saved on the

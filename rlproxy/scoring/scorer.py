@@ -1,6 +1,6 @@
 """The scoring worker: turns with a next state in, scored choices out to the trainer.
 
-Consumes finished main turns (from the session store, or replayed from the records at start-up),
+Consumes finished main turns (from the session store, or found unscored at start-up),
 asks the judge for votes (rl), for a hint and the teacher's log-probs (opd), or both (combine),
 applies explicit feedback and reward functions, and writes one `score` line per turn to
 prm_scores.jsonl. When the turn's request asked for n > 1, every choice is scored against the
@@ -16,7 +16,8 @@ functions and the teacher's chat template run on worker threads. Only `known` an
 read from other threads. Bounded: a turn's state is kept while its session is open; after that
 only the last KEEP_RECENT released turns (for feedback that re-trains them) and KEEP_SCORED small
 summaries (for feedback that re-releases them) are. Counters: `ScorerStats`; `health()` is what
-/healthz shows under "scoring".
+/healthz shows under "scoring". Reads no file: it starts from a `ScorerStart`, rebuilt from the
+records at start-up by recovery.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import hashlib
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -35,11 +36,11 @@ import orjson
 from rlproxy import paths
 from rlproxy.lru import LRU
 from rlproxy.ops import metrics
-from rlproxy.records import JsonlWriter, WriteFailed, read_jsonl
+from rlproxy.records import JsonlWriter, WriteFailed
 from rlproxy.scoring import judging as scoring
 from rlproxy.scoring.judge_health import JudgeHealth
 from rlproxy.scoring.judges import JudgeUnavailable
-from rlproxy.scoring.ledger import Ledger, Release, readable
+from rlproxy.scoring.ledger import Ledger, Release
 from rlproxy.scoring.rewards import RewardFunctions
 from rlproxy.serving.chat_template import render_prompt
 from rlproxy.settings import ScoringSettings
@@ -75,12 +76,37 @@ def summary(line: dict) -> dict:
     return out
 
 
+@dataclass
+class ScorerStart:
+    """What a scorer starts from, rebuilt by recovery.py from prm_scores.jsonl (the ledger, the
+    judge's counts, summaries, feedback for turns not scored yet) and conversations.jsonl (held
+    and recent turns, packed; trainable turns without a score line, scored again). `fresh`
+    makes one for an empty history, with the scorer's bounds."""
+
+    ledger: Ledger
+    recent: LRU[str, tuple[dict, bytes]]  # released turns: uid -> (score line, packed turn)
+    summaries: LRU[str, dict]  # uid -> summary(score line)
+    feedback: LRU[str, tuple[float, str | None]] = field(
+        default_factory=lambda: LRU(KEEP_FEEDBACK))  # for turns not scored yet
+    judge_health: JudgeHealth = field(default_factory=JudgeHealth)
+    held: dict[str, tuple[dict, bytes | None]] = field(default_factory=dict)
+    unscored: list[dict] = field(default_factory=list)  # trainable turns with no score line
+
+    @classmethod
+    def fresh(cls, settings: ScoringSettings, keep_recent: int = KEEP_RECENT,
+              recent_mb: float = RECENT_MB, keep_scored: int = KEEP_SCORED) -> ScorerStart:
+        # at-least-one lifts judge verdicts: OPD has none
+        ledger = Ledger(at_least_one=settings.at_least_one and settings.method != "opd",
+                        keep_done=keep_scored)
+        return cls(ledger, LRU(keep_recent, int(recent_mb * 2**20)), LRU(keep_scored))
+
+
 class Scorer:
     def __init__(self, settings: ScoringSettings, data_dir: Path, judge, teacher, tokenizer,
-                 fsync: bool = True, on_released: Callable[[dict], None] | None = None,
-                 baseline: str = "mean", keep_recent: int = KEEP_RECENT,
-                 recent_mb: float = RECENT_MB, keep_scored: int = KEEP_SCORED,
+                 start: ScorerStart, fsync: bool = True,
+                 on_released: Callable[[dict], None] | None = None, baseline: str = "mean",
                  judge_name: str = "default"):
+        """START: what recovery.py rebuilt from the records; the constructor reads no file."""
         self.s, self.judge, self.teacher, self.tokenizer = settings, judge, teacher, tokenizer
         # log-prob verdicts until a judge without log-probs makes it fall back to votes
         self.verdict_mode = settings.prm_verdict
@@ -91,21 +117,19 @@ class Scorer:
         self.rewards = RewardFunctions(settings.reward_functions, settings.reward_timeout_s)
         self.data_dir = Path(data_dir)
         self.on_released = on_released or (lambda scored: None)
-        self.keep_recent = keep_recent
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.ledger = Ledger(at_least_one=settings.at_least_one and settings.method != "opd",
-                             keep_done=keep_scored)
+        self.ledger = start.ledger
         self._lock = threading.Lock()  # the ledger is read from other threads (`known`)
-        self.held: dict[str, tuple[dict, bytes | None]] = {}  # uid -> (score line, packed turn)
-        # released turns: uid -> (score line, packed turn), bounded in count and bytes
-        self.recent: LRU[str, tuple[dict, bytes]] = LRU(keep_recent, int(recent_mb * 2**20))
-        self.summaries: LRU[str, dict] = LRU(keep_scored)  # uid -> summary(score line)
-        self.feedback: LRU[str, tuple[float, str | None]] = LRU(KEEP_FEEDBACK)  # not scored
+        self.held = start.held  # uid -> (score line, packed turn)
+        self.recent = start.recent  # released turns, bounded in count and bytes
+        self.summaries = start.summaries
+        self.feedback = start.feedback  # not scored yet
         self.waiting: list[dict] = []  # deferred by a judge outage
         self.stats = ScorerStats()
-        self.judge_health = JudgeHealth()
+        self.judge_health = start.judge_health
         self.semaphore = asyncio.Semaphore(settings.judge_concurrency)
-        self._replay()
+        for record in start.unscored:  # submitted to the ledger by recovery.py
+            self.queue.put_nowait(record)
         self.writer = JsonlWriter(self.data_dir / paths.SCORES, fsync=fsync)
 
     def close(self) -> None:
@@ -149,60 +173,6 @@ class Scorer:
             fresh = self.ledger.submit(record["uid"], record["session_id"])
         if fresh:
             self.queue.put_nowait(record)
-
-    def _replay(self) -> None:
-        """Rebuild from the records: turns not scored go to the queue; sessions not finished
-        get their tallies back, with their held turns; the latest released turns stay at hand
-        for feedback. Keeps the set of scored uids only while reading."""
-        scored: set[str] = set()
-        held: dict[str, dict] = {}  # uid -> score line, until its release line is read
-        recent: LRU[str, dict] = LRU(self.keep_recent)  # released lately -> score line
-        feedback: dict[str, tuple[float, str | None, bool]] = {}  # (.., after its score line)
-        path = self.data_dir / paths.SCORES
-        # an odd line: skipped, with a WARNING
-        for line in readable(read_jsonl(path, report_cut=True), path):
-            uid, kind = line.get("uid"), line.get("kind")
-            if kind == "score":
-                line.setdefault("chosen_choice", 0)
-                scored.add(uid)
-                held[uid] = line
-                self.summaries.put(uid, summary(line))
-                self.ledger.restore(uid, line["session_id"], line["index"], line["reward"],
-                                    line["final"], liftable(line))
-                self.judge_health.count(line)
-            elif kind == "release" and line.get("key", uid) == uid:  # the chosen choice's
-                self.ledger.restore_release(uid, line["reward"])
-                if line.get("reason") != "feedback":
-                    self.judge_health.released += 1
-                self.judge_health.lifted += line.get("reason") == "at_least_one"
-                score = held.pop(uid, None) or recent.pop(uid, None)
-                if score is not None:
-                    recent.put(uid, score)
-            elif kind == "feedback":
-                feedback[uid] = (line["reward"], line.get("comment"), uid in scored)
-        self.feedback.max_items = None  # all of it, as written; the next one trims
-        for uid, (reward, comment, after) in feedback.items():
-            line = held.get(uid) or recent.peek(uid)
-            if uid not in scored:
-                self.feedback.assign(uid, (reward, comment))
-            elif line is not None and (after or line["feedback"] is None):
-                # given after its turn was scored (or while its score line was being written):
-                # a person's word, so the turn is never lifted, and a held turn keeps its reward
-                self.judge_health.compare(line["judge_reward"], reward)
-                new = scoring.final_reward(line["judge_reward"], line["function_reward"],
-                                           reward, self.s.feedback_mode)
-                line["feedback"], line["reward"] = reward, new
-                self.ledger.restore_feedback(uid, new)
-        self.feedback.max_items = KEEP_FEEDBACK
-        for record in read_jsonl(self.data_dir / paths.CONVERSATIONS):
-            uid = record.get("uid")
-            if record.get("trainable") and uid not in scored:
-                self.submit(record)
-            elif uid in held and self.ledger.is_held(uid):
-                self.held[uid] = (held[uid], pack(record))
-            elif uid in recent:
-                packed = pack(record)
-                self.recent.put(uid, (recent.peek(uid), packed), len(packed))
 
     # ---- the loop ----
 

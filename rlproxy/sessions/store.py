@@ -6,7 +6,10 @@ next state. `complete` files the finished turn. Threads close on compaction and 
 sessions on the done header, an end call, the idle timeout and past `max_open_sessions`. A
 completed main turn is journaled before the response's last bytes go out (`complete` returns the
 future the caller awaits), so a crash loses no acknowledged turn; other lines are queued for the
-records' writer thread, so the event loop never waits on the disk.
+records' writer thread, so the event loop never waits on the disk. It starts from a
+`StoreStart` (closed sessions' numbering, the journaled turns still pending) that recovery.py
+rebuilds at start-up, with the journal's one compaction (`live_journal`); the constructor reads
+no file when given one.
 
 Its records are in sessions/turn.py, the message rules in sessions/threads.py, the X-Request-Id
 replay cache in sessions/replay.py. Knows nothing of HTTP, MLX, scoring or training: callers pass
@@ -22,7 +25,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -48,6 +51,46 @@ KEEP_CLOSED_IDS = 65536  # closed sessions whose numbering a reopen continues (o
 
 
 @dataclass
+class StoreStart:
+    """What a store starts from, rebuilt by recovery.py: `reopen` from conversations.jsonl
+    (explicit session ids continue their turn numbering across restarts), `pending` from
+    pending_turns.jsonl (turns still waiting for their next state: their threads reopen)."""
+
+    # closed sessions: (the index their next turn gets, inferred: a chain may reopen one)
+    reopen: LRU[str, tuple[int, bool]] = field(
+        default_factory=lambda: LRU(max_items=KEEP_CLOSED_IDS))
+    pending: list[dict] = field(default_factory=list)
+
+    def recorded(self, record: dict) -> None:
+        """One turn read back from conversations.jsonl: its session numbers on after it."""
+        sid, index = record.get("session_id"), record.get("index", 0)
+        if isinstance(sid, str) and isinstance(index, int):
+            nxt = max(self.reopen.pop(sid, (0, False))[0], index + 1)
+            self.reopen.put(sid, (nxt, False))
+
+
+def live_journal(path: Path, recorded: set[str]) -> list[dict]:
+    """The journal's turns still pending, in journal order, less those RECORDED since (a kill
+    between a turn's record line and its tombstone leaves it in both files: the record wins);
+    the journal is compacted to them (its one rewrite: start-up only)."""
+    pending = [e for e in load_pending(path) if e["uid"] not in recorded]
+    compact_pending(path, pending)
+    return pending
+
+
+def read_start(data_dir: Path) -> StoreStart:
+    """A store's start read from DATA_DIR alone, for a store built without one (tests that
+    restart a bare store: tests/test_threads.py); the server reads each file once, in
+    recovery.py, and passes it."""
+    start, recorded = StoreStart(), set()
+    for record in read_jsonl(Path(data_dir) / CONVERSATIONS, report_cut=True):
+        recorded.add(record.get("uid"))
+        start.recorded(record)
+    start.pending = live_journal(Path(data_dir) / PENDING, recorded)
+    return start
+
+
+@dataclass
 class SessionStats:
     idle_closed: int = 0  # sessions closed by the idle sweep
     evicted: int = 0  # sessions closed past `max_open_sessions`
@@ -58,7 +101,10 @@ class SessionStore:
                  on_trainable: Callable[[dict], None] | None = None,
                  on_closed: Callable[[str], None] | None = None,
                  keep_closed: int = 200, keep_responses: int = 1024,
-                 max_open_sessions: int = 4096, train_sessions_matching: str | None = None):
+                 max_open_sessions: int = 4096, train_sessions_matching: str | None = None,
+                 start: StoreStart | None = None):
+        """START: what recovery.py rebuilt from the records (the server always passes it); None
+        reads it here with `read_start`, for a store built alone on DATA_DIR (tests only)."""
         self.data_dir = Path(data_dir)
         self.idle_timeout_s = idle_timeout_s
         self.max_open_sessions = max_open_sessions
@@ -72,22 +118,12 @@ class SessionStore:
         self._threads: dict[str, Thread] = {}  # open threads of open sessions, by id
         self._inferred_heads: dict[str, Thread] = {}  # header-less matching across sessions
         self.replay = ReplayCache(keep_responses)  # X-Request-Id -> the response it got
-        # A kill between a turn's record line and its tombstone leaves it in both files: the
-        # record wins. Explicit session ids also continue their turn numbering across restarts.
-        recorded: set[str] = set()
+        start = read_start(self.data_dir) if start is None else start
         # closed sessions: (the index their next turn gets, inferred: a chain may reopen one)
-        self._reopen: LRU[str, tuple[int, bool]] = LRU(max_items=KEEP_CLOSED_IDS)
-        for r in read_jsonl(self.data_dir / CONVERSATIONS, report_cut=True):
-            recorded.add(r.get("uid"))
-            sid, index = r.get("session_id"), r.get("index", 0)
-            if isinstance(sid, str) and isinstance(index, int):
-                nxt = max(self._reopen.pop(sid, (0, False))[0], index + 1)
-                self._reopen.put(sid, (nxt, False))
+        self._reopen = start.reopen
         self.conversations = JsonlWriter(self.data_dir / CONVERSATIONS, fsync=fsync)
-        pending = [e for e in load_pending(self.data_dir / PENDING) if e["uid"] not in recorded]
-        compact_pending(self.data_dir / PENDING, pending)
         self.journal = JsonlWriter(self.data_dir / PENDING, fsync=fsync)
-        for entry in pending:
+        for entry in start.pending:
             try:
                 self._restore(entry)
             except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -46,8 +46,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlproxy.paths import JOURNAL, TRAINING
-from rlproxy.records import JsonlWriter, WriteFailed, numbered_jsonl, read_jsonl
+from rlproxy.paths import JOURNAL
+from rlproxy.records import JsonlWriter, WriteFailed, numbered_jsonl
 
 log = logging.getLogger("rlproxy.trainer")
 SYSTEMIC_TURNS = 3  # different turns failing in a row with one error type: the cause is not them
@@ -136,9 +136,12 @@ def quarantined_uids(data_dir: Path, max_attempts: int) -> set[str]:
 class StepJournal:
     """Appends the journal's lines and keeps its counts; one per trainer."""
 
-    def __init__(self, data_dir: Path, fsync: bool = True, max_attempts: int = 2):
+    def __init__(self, data_dir: Path, fsync: bool = True, max_attempts: int = 2,
+                 books: Books | None = None):
+        """BOOKS: the journal as read at start-up (training/restart.py `read_start`); None
+        reads it now (a journal built alone, as tests and tools do)."""
         self.max_attempts = max_attempts
-        books = read_journal(data_dir)
+        books = read_journal(data_dir) if books is None else books
         self.failures, self.suspects, self.quarantined = (books.failures, books.suspects,
                                                           books.quarantined)
         self._n = books.last
@@ -278,11 +281,10 @@ class StepJournal:
         self.writer.close()
 
 
-def lost_steps(data_dir: Path, step: int) -> tuple[int, set[str]]:
-    """(the steps recorded in DATA_DIR's training.jsonl after checkpoint STEP, their turns): a
-    kill loses the updates since the last save. A rollback takes a step number too."""
-    steps = [ln for ln in read_jsonl(Path(data_dir) / TRAINING, report_cut=True)
-             if ln.get("kind") in ("step", "rollback")]
+def lost_steps(lines: list[dict], step: int) -> tuple[int, set[str]]:
+    """(the steps training.jsonl's LINES record after checkpoint STEP, their turns): a kill
+    loses the updates since the last save. A rollback takes a step number too."""
+    steps = [ln for ln in lines if ln.get("kind") in ("step", "rollback")]
     at = [i for i, ln in enumerate(steps) if ln.get("step") == step]  # its last run's line
     cut = at[-1] + 1 if at else (0 if step == 0 else len(steps))
     return len(steps) - cut, {u for ln in steps[cut:] for u in uids_of(ln)}

@@ -60,7 +60,10 @@ class Trainer:
 
     def __init__(self, settings: Settings, model: nn.Module | None, lora_config: dict,
                  engine=None, data_dir: Path | None = None, ref_model: nn.Module | None = None,
-                 vocab_size: int | None = None, tokenizer=None, learner=None, ranks=None):
+                 vocab_size: int | None = None, tokenizer=None, learner=None, ranks=None,
+                 start: restart.TrainerStart | None = None):
+        """START: its records as read at start-up (recovery.py `trainer_start`); None reads them
+        now (a trainer built alone, as tests and tools do)."""
         t = self.t = settings.trainer
         self.settings, self.engine = settings, engine
         self.data_dir = Path(data_dir or settings.records.data_dir)
@@ -74,7 +77,14 @@ class Trainer:
         self.status, self.stats = TrainerStatus(), TrainerStats()
         self.writer = JsonlWriter(self.data_dir / TRAINING, fsync=settings.records.fsync,
                                   stamp=self.learner.record_stamp)
-        self.books = Books(*self._read_records())
+        start = restart.read_start(self.data_dir) if start is None else start
+        # the journal's books, taken before anything is resubmitted (turns a crashed step held
+        # are retried, or quarantined once they have had their attempts), and the keys
+        # training.jsonl lists as handled (all of them until `start` bounds them)
+        self.books = Books(StepJournal(self.data_dir, settings.records.fsync,
+                                       t.max_step_attempts, start.journal),
+                           restart.handled_keys(start.lines))
+        self._lines: list[dict] | None = start.lines  # for `resume`, then dropped
         self.journal = self.books.journal
         self.pacer = Pacer(engine.busy if engine is not None else None, t.duty_cycle)
         self.gate = None  # the eval gate (training/gate.py), with eval_every and an engine
@@ -95,16 +105,6 @@ class Trainer:
                                  self.writer, running=self.running)
         self._thread: threading.Thread | None = None
         self._running = False
-
-    def _read_records(self) -> tuple[StepJournal, LRU]:
-        """Start-up recovery: all the constructor reads of the record files (`resume` reads
-        the checkpoints: training/saving.py). The journal's books, read before anything is
-        resubmitted (turns a crashed step held are retried, or quarantined once they have had
-        their attempts), and the keys training.jsonl lists as handled (all of them until
-        `start` bounds them)."""
-        journal = StepJournal(self.data_dir, self.settings.records.fsync,
-                              self.t.max_step_attempts)
-        return journal, restart.handled_keys(self.data_dir)
 
     # ---- the thread ----
 
@@ -260,7 +260,9 @@ class Trainer:
         self.saver.restore(snap)
 
     def resume(self) -> Path | None:
-        return self.saver.resume(self.publisher.publish_resumed)
+        lines = self._lines if self._lines is not None else restart.read_training(self.data_dir)
+        self._lines = None  # start-up's copy: not kept for the process's life
+        return self.saver.resume(self.publisher.publish_resumed, lines)
 
     def sync_now(self) -> None:
         self.publisher.sync_now()

@@ -301,7 +301,7 @@ class StepRunner:
         """The learner's run went back to its step SAVED (a restarted learner) after this
         replica had seen step LAST: the turns of this replica's steps SAVED+1 .. LAST train
         again."""
-        lost = restart.lost_run_steps(self.data_dir, saved, last)
+        lost = restart.lost_run_steps(restart.read_training(self.data_dir), saved, last)
         if not lost:
             return
         self.books.retrain(lost)

@@ -105,10 +105,10 @@ class Saver:
 
     # ---- start-up ----
 
-    def resume(self, publish: Callable[[int], None]) -> Path | None:
+    def resume(self, publish: Callable[[int], None], lines: list[dict]) -> Path | None:
         """Load the newest checkpoint that can be read (with `resume` on) and PUBLISH its
-        adapter's version; the turns of the steps the learner lost since train again. Its path,
-        or None.
+        adapter's version; the turns of the steps the learner lost since train again (LINES:
+        training.jsonl's, as read at start-up). Its path, or None.
 
         One whose adapter cannot be read is set aside (`<name>.corrupt-<time>`) and the next
         older one tried. One whose optimizer state or trainer_state.json cannot be read
@@ -137,13 +137,13 @@ class Saver:
             set_aside(bad, f"its adapter does not fit this model ({e})")
         p = self.progress
         if path is None:
-            self._go_on_from(0, p.version)
+            self._go_on_from(0, p.version, lines)
             return None
         if state is None:  # the weights, without their trainer_state.json
             step = int(path.name[5:])
-            state = {"step": step, "adapter_version": version_of_step(self.data_dir, step)}
+            state = {"step": step, "adapter_version": version_of_step(lines, step)}
         p.baseline, p.baseline_n = state.get("baseline", [0.0, 0])
-        self._go_on_from(state["step"], state["adapter_version"])
+        self._go_on_from(state["step"], state["adapter_version"], lines)
         self.learner.lr_scale = state.get("lr_scale", 1.0)
         if state.get("schedule", schedule.describe(self.t)) != schedule.describe(self.t):
             log.warning("the learning-rate schedule differs from checkpoint %s's (%s); the "
@@ -163,11 +163,11 @@ class Saver:
         log.info("resumed from %s (step %d, adapter version %d)", path, p.step, served)
         return path
 
-    def _go_on_from(self, step: int, version: int) -> None:
+    def _go_on_from(self, step: int, version: int, lines: list[dict]) -> None:
         """Training goes on after checkpoint STEP (0: none) of adapter VERSION where the
         learner says; the turns of the steps it lost are trained again (their lines stay in
         training.jsonl; the journal's `resumed` line names them)."""
-        point = self.learner.resume_point(self.data_dir, step, version)
+        point = self.learner.resume_point(lines, step, version)
         if point.lost:
             self.books.retrain(point.lost)
             self.journal.resumed(step, point.lost_steps, sorted(point.lost))
