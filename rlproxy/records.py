@@ -142,7 +142,13 @@ class JsonlWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._torn = self._ends_mid_line()
+        self._torn = False  # the file ends mid-line: the next batch starts on a new line
+        try:
+            self._set_aside_torn_tail()
+        except OSError as e:  # no room for the copy: the torn line stays, ended, as before
+            log.error("could not move %s's cut last line aside (%s); it stays, ended by a "
+                      "newline, and readers skip it", self.path, e)
+            self._torn = True
         self._cond = threading.Condition()
         # (line, ours, the caller's): `ours` is never handed out, so a caller cancelling its
         # future cannot make flushed() report a line written that is not
@@ -151,14 +157,39 @@ class JsonlWriter:
         self._closing = False
         self._thread: threading.Thread | None = None  # started by the first line
 
-    def _ends_mid_line(self) -> bool:
-        # A line torn by power loss must not glue itself to the next record.
+    def _set_aside_torn_tail(self) -> None:
+        """A last line without its newline (power loss, a full disk while another program
+        wrote) is moved out before the first append, so it never stays in the middle of the
+        file: its bytes go to `<name>.torn-<time>` beside it (fsynced), then the file is cut
+        back to its last whole line, with one WARNING. No line of ours is ever acknowledged
+        before its newline is on disk, so nothing acknowledged is in it."""
         size = os.fstat(self._fd).st_size
         if not size:
-            return False
+            return
         with open(self.path, "rb") as f:
-            f.seek(size - 1)
-            return f.read(1) != b"\n"
+            back = min(size, 1 << 16)
+            f.seek(size - back)
+            tail = f.read(back)
+            while b"\n" not in tail and back < size:  # a torn line longer than 64 KiB
+                back = min(size, back * 4)
+                f.seek(size - back)
+                tail = f.read(back)
+        if tail.endswith(b"\n"):
+            return
+        keep = size - back + tail.rfind(b"\n") + 1  # 0 when the file is one torn line
+        torn = self.path.with_name(f"{self.path.name}.torn-{time.strftime('%Y%m%d-%H%M%S')}")
+        with open(torn, "ab") as out:
+            with open(self.path, "rb") as f:
+                f.seek(keep)
+                out.write(f.read())
+            out.flush()
+            os.fsync(out.fileno())
+        os.ftruncate(self._fd, keep)
+        if self.fsync:
+            os.fsync(self._fd)
+        log.warning("%s: its last line was cut short (%d bytes without a newline: a write a "
+                    "crash or a full disk cut); moved to %s before appending", self.path,
+                    size - keep, torn.name)
 
     # ---- the three ways in ----
 

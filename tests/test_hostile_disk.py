@@ -38,6 +38,9 @@ def turn(url: str, sid: str, api: str = "chat", done: bool = True) -> requests.R
                 "messages": [{"role": "user", "content": f"{sid}: say something."}]}
         return requests.post(url + "/v1/chat/completions", json=body, headers=headers,
                              timeout=60)
+    if api == "responses":  # store: true (the default) keeps it in SQLite too
+        body = {"model": "m", "max_output_tokens": 16, "input": f"{sid}: say something."}
+        return requests.post(url + "/v1/responses", json=body, headers=headers, timeout=60)
     body = {"model": "m", "max_tokens": 6,
             "messages": [{"role": "user", "content": f"{sid}: say something."}]}
     return requests.post(url + "/v1/messages", json=body, timeout=60,
@@ -96,7 +99,8 @@ def check_full(url: str, data: Path, acked: list[str]) -> None:
         if r.status_code != 200:
             break
         acked.append(r.headers["X-Turn-Uid"])
-    for api, sid in (("chat", "full-chat"), ("messages", "full-messages")):
+    for api, sid in (("chat", "full-chat"), ("messages", "full-messages"),
+                     ("responses", "full-responses")):
         r = turn(url, sid, api)
         assert r.status_code == 507, (api, r.status_code, r.text)
         assert r.headers["Retry-After"].isdigit()

@@ -235,6 +235,10 @@ def test_the_server_starts_through_corrupt_files_and_sets_them_aside(tmp_path):
     assert (ckpt / "step_000002" / "trainer_state.json").exists()  # saved again, whole
     assert len(list(data.glob("prefix_cache.corrupt-*"))) == 1
     assert len(list(data.glob("responses.corrupt-*"))) == 1
+    # the cut line was moved aside before the first append, not left in the middle
+    assert b"cut-short" not in conversations.read_bytes()
+    (torn,) = data.glob("conversations.jsonl.torn-*")
+    assert torn.read_bytes() == b'{"uid": "cut-short", "session_id": "x"'
     # a second restart on what the first left: nothing new to set aside, no warning of it
     mark = log.read_text()
     proc, url = serve_with(data, tmp_path, log)

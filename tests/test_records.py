@@ -133,6 +133,21 @@ def test_a_torn_last_line_never_glues_to_the_next(tmp_path):
     writer.write({"i": 2})
     writer.close()
     assert [r["i"] for r in read_jsonl(path)] == [0, 2]
+    # moved aside before the first append, not left in the middle of the file
+    assert path.read_bytes().startswith(b'{"i": 0}\n{"schema_version"') and \
+        b"torn" not in path.read_bytes()
+    (torn,) = tmp_path.glob("a.jsonl.torn-*")
+    assert torn.read_bytes() == b'{"i": 1, "torn'
+
+
+def test_a_file_that_is_one_torn_line_is_emptied_first(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b'{"i": 1, "to')
+    writer = JsonlWriter(path)
+    writer.write({"i": 2})
+    writer.close()
+    assert [r["i"] for r in read_jsonl(path)] == [2] and b"to" not in path.read_bytes()
+    assert next(tmp_path.glob("a.jsonl.torn-*")).read_bytes() == b'{"i": 1, "to'
 
 
 def test_a_full_disk_is_reported_and_the_writer_goes_on(tmp_path, monkeypatch):

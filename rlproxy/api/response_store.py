@@ -15,7 +15,9 @@ saying why (rlproxy/stores.py).
 from __future__ import annotations
 
 import asyncio
+import errno
 import re
+import sqlite3
 from pathlib import Path
 
 import diskcache
@@ -24,6 +26,7 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.appkeys import RESPONSES
+from rlproxy.records import WriteFailed
 from rlproxy.settings import Settings
 from rlproxy.stores import open_or_set_aside
 
@@ -37,7 +40,15 @@ def open_response_store(directory: Path, limit_mb: float) -> diskcache.Cache:
 
 
 def keep(store: diskcache.Cache, response_id: str, entry: dict) -> None:
-    store.set(response_id, orjson.dumps(entry))
+    """Store ENTRY; WriteFailed (the API's 507 or 503, as for a turn's own lines) when SQLite
+    cannot write it: "database or disk is full" is ENOSPC, any other write error EIO."""
+    try:
+        store.set(response_id, orjson.dumps(entry))
+    except sqlite3.OperationalError as e:
+        full = "full" in str(e)
+        raise WriteFailed(Path(store.directory) / "cache.db", OSError(
+            errno.ENOSPC if full else errno.EIO,
+            f"the stored Responses: {e}")) from e
 
 
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")  # responses.new_id's; fullmatch only

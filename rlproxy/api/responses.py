@@ -150,10 +150,14 @@ async def finished(call: Call, r: ResponsesRequest, rid: str, conversation: list
             reply["tool_calls"] = rec.tool_calls
         turn = call.turn
         # diskcache (SQLite) on a worker thread: the event loop never waits on the disk
-        await asyncio.to_thread(response_store.keep, call.request.app[RESPONSES], rid, {
-            "response": body, "conversation": conversation + [reply],
-            "session_id": turn.session_id if turn else None,
-            "thread": turn.thread if turn else None})
+        try:
+            await asyncio.to_thread(response_store.keep, call.request.app[RESPONSES], rid, {
+                "response": body, "conversation": conversation + [reply],
+                "session_id": turn.session_id if turn else None,
+                "thread": turn.thread if turn else None})
+        except WriteFailed:  # a full disk: the answer is 507, once the turn's line settled
+            await asyncio.gather(on_disk, return_exceptions=True)
+            raise
     await on_disk
     return body
 
