@@ -148,10 +148,13 @@ class Engine:
 
     def add_adapter(self, name: str, model: nn.Module) -> None:
         """Serve MODEL (the serving model's base arrays with LoRA weights of its own, already
-        evaluated) to jobs whose `adapter` is NAME; every other job keeps the live adapter."""
+        evaluated) to jobs whose `adapter` is NAME; every other job keeps the live adapter.
+        Adding the same MODEL again changes nothing; another model under NAME takes the jobs
+        admitted from now on, and those admitted before finish on the model they started with."""
         self._post("add_adapter", (name, model))
 
     def drop_adapter(self, name: str) -> None:
+        """NAME serves no new job; the jobs admitted under it finish first (serving/named.py)."""
         self._post("drop_adapter", (name, None))
 
     def _post(self, kind: str, payload) -> None:

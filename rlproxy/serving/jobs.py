@@ -53,4 +53,7 @@ class Job:
     cached_version: int | None = None  # the adapter version that computed those tokens' KV
     kv_source: tuple | None = None  # (version, namespace) of the oldest adapter in its KV
     adapter: str | None = None  # a named adapter (add_adapter) to sample from; None: the live one
+    # that adapter's model object when the caller holds it: the job decodes with it even if
+    # the name is replaced or dropped before the job starts (serving/named.py)
+    adapter_model: object | None = None
     restored: list | None = None  # the cached prefix's KV (loader thread -> engine thread)

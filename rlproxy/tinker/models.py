@@ -53,7 +53,8 @@ class Run:
     version: int = 0  # bumped by every change of the weights (a step, a load)
     named: bool = False  # joined by name (user_metadata rlproxy_run); else one handle's own
     handles: set = field(default_factory=set)  # model ids bound to it
-    last_used: float = 0.0  # time.monotonic() a client last joined or left (runs.py evicts)
+    last_used: float = 0.0  # time.monotonic() of its last request, join or leave (runs.py)
+    evicted: Path | None = None  # while out of memory (model and optimizer None): its save
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)  # this object, of all by `name`
 
     @property
@@ -100,16 +101,41 @@ def lora_model(loaded, lora_config: dict, seed: int | None = None) -> nn.Module:
     return model
 
 
-def new_run(loaded, name: str, rank: int, seed: int | None, named: bool = False) -> Run:
-    if not 1 <= rank <= 256:
-        raise UserError(f"lora rank must be between 1 and 256, got {rank}")
-    cfg = lora_config_for(loaded, rank)
+def _trainable(loaded, cfg: dict, seed: int | None) -> tuple[nn.Module, optim.AdamW]:
+    """A fresh LoRA model at CFG and its AdamW (moments at zero)."""
     model = lora_model(loaded, cfg, seed)
     opt = optim.AdamW(learning_rate=1e-4, betas=[0.9, 0.95], eps=1e-12, weight_decay=0.0,
                       bias_correction=True)
     opt.init(model.trainable_parameters())
     mx.eval(opt.state)
+    return model, opt
+
+
+def new_run(loaded, name: str, rank: int, seed: int | None, named: bool = False) -> Run:
+    if not 1 <= rank <= 256:
+        raise UserError(f"lora rank must be between 1 and 256, got {rank}")
+    cfg = lora_config_for(loaded, rank)
+    model, opt = _trainable(loaded, cfg, seed)
     return Run(name, loaded.model_id, model, cfg, opt, named=named)
+
+
+def evict(run: Run, path: Path) -> None:
+    """Save RUN (weights, optimizer state, step) at PATH and free its arrays: `restore` brings
+    it back as it was. Its handles keep their gradients."""
+    save(TinkerModel("-", run), path, True)
+    run.model = run.optimizer = None
+    run.evicted = path
+
+
+def restore(loaded, run: Run) -> None:
+    """An evicted RUN back in memory from its save. Its version stays: the weights are the ones
+    it had, so gradients its handles took before the eviction still apply."""
+    run.model, run.optimizer = _trainable(loaded, run.lora_config, None)
+    adapter, run.optimizer.state, state = load_checkpoint(run.evicted)
+    run.model.update(tree_unflatten(list(adapter.items())))
+    run.step = int(state.get("step", run.step))
+    mx.eval(run.model.parameters(), run.optimizer.state)
+    run.evicted = None
 
 
 def memory_bytes(run: Run) -> int:

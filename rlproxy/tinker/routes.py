@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +37,7 @@ from rlproxy.tinker.state import (
 from rlproxy.tinker.wire import UserError
 
 GAP_S = 5.0
+log = logging.getLogger(__name__)
 PROTOBUF = "application/x-protobuf"
 
 
@@ -92,13 +94,30 @@ def fail(st: TinkerState, message: str) -> str:
     return rid
 
 
+def on_live_run(st: TinkerState, fn):
+    """fn(tm, *args) on the worker once TM's run is in memory (runs.py may have evicted it),
+    marking it used when the request ends too."""
+    def run(tm, *args):
+        runs.live(st, tm)
+        try:
+            return fn(tm, *args)
+        finally:
+            tm.run.last_used = time.monotonic()
+    return run
+
+
 def sequenced(st: TinkerState, model_id: str, seq_id, fn, *args, then=None) -> web.Response:
-    """Run fn(tm, *args) on model MODEL_ID's turn in seq_id order."""
+    """Run fn(tm, *args) on model MODEL_ID's turn in seq_id order. A request is a sign of
+    life of its session, and marks its run used from now (a run with requests queued is not
+    idle)."""
     tm = st.models.get(model_id)
     if tm is None:
         return json_response({"request_id": fail(st, f"unknown model id {model_id!r} (create it "
                                                  "with create_lora_training_client first)")})
-    rid, go = start(st, fn, tm, *args, then=then)
+    now = time.monotonic()
+    st.seen[model_id.split(":")[0]] = now
+    tm.run.last_used = now
+    rid, go = start(st, on_live_run(st, fn), tm, *args, then=then)
     if not isinstance(seq_id, int) or seq_id < tm.next_seq:
         go()  # unsequenced or a retry of one already started
     else:
@@ -342,7 +361,13 @@ async def sample(request):
         try:
             sequences, prompt_lps = await asample(st.samplers, body)
             st.futures.settle(rid, fut, wire.encode_sample(sequences, prompt_lps))
-        except Exception as e:
+        except UserError as e:
+            log.warning("asample %s (sampler %s) refused: %s", rid,
+                        body.get("sampling_session_id"), e)
+            st.futures.settle(rid, fut, error=e)
+        except Exception as e:  # the client sees the message; the log keeps the traceback
+            log.error("asample %s (sampler %s) failed: %s: %s", rid,
+                      body.get("sampling_session_id"), type(e).__name__, e, exc_info=e)
             st.futures.settle(rid, fut, error=e)
     task = asyncio.create_task(run())
     st.tasks.add(task)

@@ -5,8 +5,12 @@ the live adapter (the default). A session made from saved sampler weights names 
 engine serves beside the live one (Engine.add_adapter: a model object that shares the serving
 model's frozen base arrays and carries the saved LoRA weights, decoded by a BatchGenerator of
 its own, stepped in turn with the live batch); at most MAX_ADAPTERS are loaded at once, the least
-recently used is dropped first. Prompt log-probs (compute_logprobs) are computed on the Tinker
-worker thread from the same model object the session samples with.
+recently used is dropped first. Saved weights are loaded once however many samples ask for them
+at the same moment (a recipe fires all its rollouts right after save_weights_and_get_sampling_
+client): the first starts the load, the others wait for it. Each job carries the model object it
+was admitted with, so a sampler dropped or replaced meanwhile never fails a sample under way.
+Prompt log-probs (compute_logprobs) are computed on the Tinker worker thread from the same model
+object the session samples with.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class Samplers:
         self.loaded, self.engine, self.worker = loaded, engine, worker
         self.sessions: dict[str, dict] = {}  # id -> {"path": Path | None, "model_path": str}
         self.adapters: LRU[str, object] = LRU(MAX_ADAPTERS)  # adapter name -> its model
+        self.loading: dict[str, asyncio.Task] = {}  # adapter name -> its load under way
 
     def open(self, session_id: str, path: Path | None, model_path: str | None) -> None:
         self.sessions[session_id] = {"path": path, "model_path": model_path}
@@ -45,16 +50,26 @@ class Samplers:
             raise UserError(f"no sampler weights at {self.sessions[session_id]['model_path']}")
         if name in self.adapters:
             return name, self.adapters.get(name)
+        load = self.loading.get(name)
+        if load is None:  # the first to ask loads it; the others wait for that one load
+            load = self.loading[name] = asyncio.create_task(self._load(name, path))
+            load.add_done_callback(lambda _: self.loading.pop(name, None))
+        # shielded: a waiter whose request is cancelled does not cancel the others' load
+        return name, await asyncio.shield(load)
+
+    async def _load(self, name: str, path: Path):
         model = await asyncio.wrap_future(self.worker.run(models.sampler_model, self.loaded, path))
-        self.engine.add_adapter(name, model)
-        if name not in self.adapters and len(self.adapters) >= MAX_ADAPTERS:
+        if len(self.adapters) >= MAX_ADAPTERS:
             oldest = self.adapters.oldest()  # the least recently used goes, from the engine too
             self.adapters.pop(oldest)
-            self.engine.drop_adapter(oldest)
+            self.engine.drop_adapter(oldest)  # its samples under way finish first
+        self.engine.add_adapter(name, model)
         self.adapters.put(name, model)
-        return name, model
+        return model
 
     def close(self) -> None:
+        for load in list(self.loading.values()):
+            load.cancel()
         for name in list(self.adapters):
             self.engine.drop_adapter(name)
             self.adapters.pop(name)
@@ -84,10 +99,13 @@ def stops_of(stop) -> tuple[set[int], list[str]]:
     raise UserError("stop must be a string, a list of strings or a list of token ids")
 
 
-async def sample_one(engine: Engine, adapter: str | None, ids: list[int], params: SamplingParams,
-                     stop_ids: set[int], stop_strs: list[str], tokenizer) -> dict:
+async def sample_one(engine: Engine, adapter: str | None, model, ids: list[int],
+                     params: SamplingParams, stop_ids: set[int], stop_strs: list[str],
+                     tokenizer) -> dict:
+    """One sequence from ADAPTER (None: the live one), whose model object is MODEL."""
     loop, q = asyncio.get_running_loop(), asyncio.Queue()
-    job = engine.submit(Job(list(ids), params, asyncio_delivery(loop, q), adapter=adapter))
+    job = engine.submit(Job(list(ids), params, asyncio_delivery(loop, q), adapter=adapter,
+                            adapter_model=model if adapter is not None else None))
     tokens, logprobs, reason = [], [], "length"
     try:
         while True:
@@ -128,8 +146,9 @@ async def asample(samplers: Samplers, body: dict) -> tuple[list[dict], list | No
                              top_p=float(sp.get("top_p", 1.0)), top_k=max(0, int(sp.get("top_k")
                                                                                or 0)),
                              seed=None if seed is None else int(seed) + i) for i in range(n)]
-    sequences = await asyncio.gather(*[sample_one(samplers.engine, adapter, ids, p, stop_ids,
-                                                  stop_strs, loaded.tokenizer) for p in params])
+    sequences = await asyncio.gather(*[sample_one(samplers.engine, adapter, model, ids, p,
+                                                  stop_ids, stop_strs, loaded.tokenizer)
+                                       for p in params])
     prompt_lps = None
     if body.get("prompt_logprobs"):
         prompt_lps = await asyncio.wrap_future(

@@ -42,6 +42,7 @@ class TinkerState:
     samplers: Samplers
     futures: FutureStore = field(default_factory=FutureStore)
     runs: dict = field(default_factory=dict)  # run name -> models.Run (changed on the worker)
+    evicted: dict = field(default_factory=dict)  # run name -> a Run handles hold, saved to disk
     models: dict = field(default_factory=dict)  # model_id -> models.TinkerModel (a handle)
     tasks: set = field(default_factory=set)
     forward_backward: int = 0  # calls that accumulated gradients (not forward-only ones)
