@@ -25,7 +25,7 @@ from rlproxy.api.feedback import feedback
 from rlproxy.api.messages import count_tokens, create_message
 from rlproxy.api.middlewares import auth_middleware, errors_middleware
 from rlproxy.api.response_store import response_store_context
-from rlproxy.appkeys import ADMISSION, ENGINE, METRICS, MODEL, SETTINGS, STARTED
+from rlproxy.appkeys import ADMISSION, DRAINING, ENGINE, METRICS, MODEL, SETTINGS, STARTED
 from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.lru import LRU
 from rlproxy.ops import metrics
@@ -117,6 +117,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> web.App
     app[SETTINGS] = settings
     app[STARTED] = time.time()
     app[ADMISSION] = edge.Admission(settings.server.max_queued_requests)
+    app[DRAINING] = asyncio.Event()  # set by the SIGTERM drain (api/server.py)
     app[hosted_tools.WARNED] = LRU(hosted_tools.MAX_CLIENTS)
     if launched_rank() is not None:  # mlx.launch: the other ranks first, last to go
         app.cleanup_ctx.append(ranks_context(settings))

@@ -44,6 +44,9 @@ TINKER: web.AppKey[TinkerState] = web.AppKey("tinker")  # the Tinker API's state
 # under mlx.launch, asked on SIGTERM: why rank 0 serves on (a rank failed), or None to stop
 OUTLIVES: web.AppKey[Callable[[], str | None]] = web.AppKey("outlives")
 LIVE: web.AppKey[deque] = web.AppKey("live")  # the dashboard's recent rates (ops/ui/views.py)
+# Set when a SIGTERM/SIGINT starts the drain: the trainer's step ends at its next unit
+# (api/server.py sets it; pipeline.py asks the trainer to stop)
+DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining")
 # Set when a SIGTERM/SIGINT drain runs out (--drain-timeout-s): every in-flight request ends
 # now, a stream with an error event in its API's shape (and [DONE] for Chat), a request still
 # waiting for its answer with 503 (api/server.py sets it; api/turns.py honours it)

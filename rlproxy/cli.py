@@ -97,42 +97,12 @@ def data_dir_locked(data_dir: Path, url: str | None = None):
         os.close(fd)
 
 
-def short(text, limit: int = 80) -> str:
-    text = " ".join(str(text or "").split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def format_turn(r: dict) -> str:
-    import time as _time
-
-    choice = r["choices"][r.get("chosen_choice", 0)]
-    when = _time.strftime("%H:%M:%S", _time.localtime(r["timings"]["received"]))
-    asked = next((m["content"] for m in reversed(r["messages"]) if m["role"] == "user"), "")
-    calls = " ".join(f"{c['function']['name']}({short(c['function']['arguments'], 40)})"
-                     for c in choice["tool_calls"])
-    said = short(choice["text"], 60) + (f" [calls {calls}]" if calls else "")
-    if r["next_state"] is None:
-        after = f"(no next state: {r['end']})"
-    else:
-        after = " ".join(f"{m['role']}: {short(m.get('content'), 40)}" for m in r["next_state"])
-    step = f" step {r['step_index']}" if r.get("step_index") is not None else ""
-    return (f"{when} {r['session_id']} #{r['index']}{step} {r['turn_type']} "
-            f"{len(r['prompt_ids'])}+{len(choice['completion_ids'])} tok\n"
-            f"    user: {short(asked)}\n    assistant: {said}\n    next: {after}")
-
-
 def records_tail(args: argparse.Namespace) -> int:
-    from rlproxy.paths import CONVERSATIONS
-    from rlproxy.records import follow_jsonl, read_jsonl
+    from rlproxy.ops.tail import tail
 
     settings = load_settings({"data_dir": args.data_dir, "model": args.model})
-    path = settings.records.data_dir / CONVERSATIONS
-    lines = follow_jsonl(path) if args.follow else read_jsonl(path)
     try:
-        for record in lines:
-            if args.session and record.get("session_id") != args.session:
-                continue
-            print(format_turn(record), flush=True)
+        tail(settings.records.data_dir, args.session, args.follow)
     except KeyboardInterrupt:
         pass
     return 0
@@ -306,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=demo_cmd)
     records = sub.add_parser("records", help="read the JSONL training records")
     rsub = records.add_subparsers(dest="records_command", required=True)
-    t = rsub.add_parser("tail", help="print recorded turns readably")
+    t = rsub.add_parser("tail", help="print recorded turns readably, with each turn's reward "
+                        "and why, and the turns still waiting for their next state")
     add_setting_flag(t, "data_dir", help="the server's --data-dir (default: "
                      "~/.rlproxy/<model>/, the --model's)")
     add_setting_flag(t, "model")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from rlproxy.appkeys import ENGINE, MODEL, OUTLIVES, RANKS, SCORER, SESSIONS, TRAINER
+from rlproxy.appkeys import DRAINING, ENGINE, MODEL, OUTLIVES, RANKS, SCORER, SESSIONS, TRAINER
 from rlproxy.ops.progress import phase
 from rlproxy.remote.judge import TINKER, TinkerJudge
 from rlproxy.remote.learner import remote_learner
@@ -172,6 +172,12 @@ def ranks_context(settings: Settings):
     return ctx
 
 
+async def stop_when(draining: asyncio.Event, trainer: Trainer | None) -> None:
+    await draining.wait()
+    if trainer is not None:
+        trainer.request_stop()
+
+
 def pipeline_context(settings: Settings):
     async def ctx(app: web.Application):
         loop = asyncio.get_running_loop()
@@ -182,12 +188,16 @@ def pipeline_context(settings: Settings):
         app[SCORER], app[SESSIONS] = p.scorer, p.store
         scoring = asyncio.create_task(p.scorer.run())
         sweeper = asyncio.create_task(sweep_idle_forever(p.store))
+        # SIGTERM: the trainer's step ends at its next unit while requests drain (api/server.py)
+        stopper = asyncio.create_task(stop_when(app[DRAINING], p.trainer))
         yield
         # Stopped in the order the work flows: the store files its last turns, the trainer
-        # finishes its step and saves (the scorer may still release meanwhile: a restart trains
-        # what the stopped trainer did not), then the scorer and the judges it called.
-        sweeper.cancel()
-        await asyncio.gather(sweeper, return_exceptions=True)
+        # ends its step at its next unit, uncharged, and saves (the scorer may still release
+        # meanwhile: a restart trains what the stopped trainer did not), then the scorer and the
+        # judges it called.
+        for task in (sweeper, stopper):
+            task.cancel()
+        await asyncio.gather(sweeper, stopper, return_exceptions=True)
         await loop.run_in_executor(None, p.store.close)  # joins the writer threads
         if p.trainer is not None:
             await loop.run_in_executor(None, p.trainer.stop)

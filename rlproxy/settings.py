@@ -144,6 +144,11 @@ class EngineSettings(Section):
     strict_max_tokens: bool = Field(
         False, description="a max_tokens beyond what the context has left is a 400 "
         "(off: the budget is clamped to what is left, and the clamp recorded)")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="an operator's cap on every request's completion budget, in "
+        "all three APIs: a request that asks for more (or names none, past "
+        "--default-max-tokens) gets this many; the reply then ends with `length` and the clamp "
+        "is recorded (default: unset, no cap but the context)")
     reasoning_parser: Literal["auto", "none"] = Field(
         "auto", description="auto: <think> text is returned as reasoning, apart from the "
         "content; none: it stays in the content")
@@ -158,13 +163,17 @@ class CacheSettings(Section):
         512.0, ge=0, description="in-memory LRU in front of the disk store, in MB")
     prefix_block_tokens: int = Field(
         256, ge=16, description="prefix hashes cover whole blocks of this many tokens")
-    kv_bits: Literal[4, 8] | None = Field(
-        None, description="store prefix KV entries quantized to 4 or 8 bits (default: unset, "
-        "full precision)")
-    kv_group_size: int = Field(
-        64, ge=16, description="KV quantization group size; must divide the model's head dim")
+    kv_bits: Literal[0, 4, 8] | None = Field(
+        8, description="store prefix KV entries of at least --quantized-kv-start tokens "
+        "quantized to 4 or 8 bits, 0 in full precision: an agent's 16k-token SmolLM2 entry is "
+        "737 MB in full precision, 207 MB in 8 bits (dequantized on restore: close to, not "
+        "equal to, KV from scratch)")
+    kv_group_size: int | None = Field(
+        None, ge=16, description="KV quantization group size; must divide the model's head dim "
+        "(default: 64, or 32 where the head dim is not a multiple of 64)")
     quantized_kv_start: int = Field(
-        0, ge=0, description="quantize only entries of at least this many tokens")
+        8192, ge=0, description="quantize only entries of at least this many tokens (agents' "
+        "prompts; shorter entries stay exact)")
     kv_reuse_max_lag: int = Field(
         4, ge=0, le=64, description="reuse prefix KV computed under an adapter up to this many "
         "versions older than the one served (0: only the served adapter's own KV)")
@@ -235,6 +244,10 @@ class ScoringSettings(Section):
     score_all_choices: bool = Field(
         False, description="with n > 1, the judge scores every choice against the same next "
         "state (reward functions always score every choice)")
+    judge_cut_turns: bool = Field(
+        False, description="judge a reply that ended at its completion budget (finish_reason "
+        "length) like any other (off: the judge would grade half a reply, so such a turn "
+        "trains only on feedback or a reward function's score)")
 
     @field_validator("reward_functions")
     @classmethod

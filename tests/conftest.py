@@ -114,8 +114,10 @@ def make_settings(tmp_path: Path, **flags):
     # Short judge answers: the tiny model's votes are noise anyway, and tests stay fast.
     # No training unless a test asks: others compare against the unchanged adapter.
     # The generated tiny model unless a test names another (the real one has its own tests).
+    # The tiny model's random replies end at their short budgets: judged like any other reply
+    # (the default leaves a cut reply unjudged: tests/test_agent_notes.py).
     defaults = {"data_dir": str(tmp_path), "prm_max_tokens": 16, "train": False,
-                "model": "tiny"}
+                "model": "tiny", "judge_cut_turns": True}
     return load_settings({**defaults, **flags}, environ={})
 
 

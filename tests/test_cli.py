@@ -82,11 +82,11 @@ def test_bad_settings_say_what_to_fix(tmp_path, capsys):
     cfg.write_text("[nonsense]\nx = 1\n")
     assert main(["serve", "--config", str(cfg)]) == 2
     assert "unknown section [nonsense]" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exited:  # argparse knows the choices: Literal[4, 8]
+    with pytest.raises(SystemExit) as exited:  # argparse knows the choices: Literal[0, 4, 8]
         main(["serve", "--kv-bits", "3", "--data-dir", str(tmp_path)])
     assert exited.value.code == 2
-    assert "--kv-bits: invalid choice: 3 (choose from 4, 8)" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="kv_bits: Input should be 4 or 8"):
+    assert "--kv-bits: invalid choice: 3 (choose from 0, 4, 8)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv_bits: Input should be 0, 4 or 8"):
         load_settings({}, environ={"RLPROXY_KV_BITS": "3"})
     assert load_settings({}, environ={"RLPROXY_KV_BITS": "8"}).cache.kv_bits == 8  # text -> int
     with pytest.raises(ValueError, match="config file .* does not exist"):
@@ -263,7 +263,7 @@ def test_help_shows_every_setting_with_its_default(capsys):
         main(["serve", "--help"])
     flat = " ".join(capsys.readouterr().out.split())
     for expected in ("--port N port to listen on (0 picks a free one) (default: 8000)",
-                     "--train, --no-train", "--kv-bits {4,8}", "(default: ~/.rlproxy/<model>/, one per --model)",
+                     "--train, --no-train", "--kv-bits {0,4,8}", "(default: ~/.rlproxy/<model>/, one per --model)",
                      "--learning-rate NUM AdamW learning rate (default: 1e-05)",
                      "--max-queued-requests N", "--lr-schedule {constant,cosine,linear}"):
         assert expected in flat, expected

@@ -423,3 +423,52 @@ def test_yaml_lines_connect_does_not_touch_keep_their_bytes(text, home, server):
                if ln.startswith("- ")]
     assert removed == [ln for ln in text.splitlines()[1:3]], removed  # model's two lines only
     assert new.split("toolsets:")[1] == text.split("toolsets:")[1]
+
+
+# ---- the completion budget (issue 41): an eighth of the window, at most 8,192, within a cap ----
+
+def written_budget(agent: str, doc: dict):
+    """The completion budget connect wrote into the agent's own config, read back per agent."""
+    if agent == "claude":
+        return int(doc["env"]["CLAUDE_CODE_MAX_OUTPUT_TOKENS"])
+    if agent == "opencode":
+        (model,) = doc["provider"]["rlproxy"]["models"].values()
+        return model["limit"]["output"]
+    if agent == "openclaw":
+        return doc["models"]["providers"]["rlproxy"]["models"][0]["maxTokens"]
+    if agent == "hermes":
+        return doc["model"]["max_tokens"]
+    assert not any("output" in k for k in doc), doc  # Codex has no setting for one
+    return None
+
+
+capped = server_with(None, max_completion_tokens=512)
+
+
+@pytest.mark.parametrize("window,budget", [(131072, 8192), (8192, 1024), (16384, 2048)])
+@pytest.mark.parametrize("agent", sorted(SEEDS))
+def test_connect_writes_a_completion_budget_sized_to_the_window(agent, window, budget, home,
+                                                                windows, capsys):
+    """Hermes' custom provider asks for 65,536 completion tokens unless model.max_tokens says
+    otherwise: on a CPU a first turn then ran for 17 minutes and did not finish."""
+    assert main(["connect", agent, "--url", windows[window].url]) == 0
+    doc = parse(agent, (home / SEEDS[agent][0]).read_text())
+    out = capsys.readouterr().out
+    if agent == "codex":
+        assert written_budget(agent, doc) is None
+        assert "note: Codex CLI has no completion-budget setting" in out
+        return
+    assert written_budget(agent, doc) == budget
+    assert f"completion budget: {budget:,} tokens" in out
+    # Hermes doubles the budget of a cut reply's retries: said, with the flag that caps them
+    assert ("--max-completion-tokens N` caps those retries" in out) is (agent == "hermes")
+
+
+def test_connect_hermes_keeps_within_the_servers_max_completion_tokens(home, capped, capsys):
+    card = requests.get(capped.base_url + "/models").json()["data"][0]
+    assert card["max_completion_tokens"] == 512
+    assert main(["connect", "hermes", "--url", capped.url]) == 0
+    model = YAML(typ="safe").load((home / ".hermes/config.yaml").read_text())["model"]
+    assert model["max_tokens"] == 512 and model["provider"] == "custom"
+    out = capsys.readouterr().out
+    assert "completion budget: 512 tokens" in out and "caps those retries" not in out

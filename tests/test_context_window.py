@@ -171,6 +171,26 @@ def test_scaling_warns_once_at_load(caplog):
     assert len(said) == 1 and "trained on 8192 tokens" in said[0] and "16384" in said[0]
 
 
+@pytest.mark.real_model
+def test_no_tokenizer_length_warning_inside_the_served_window(scaled):
+    """transformers warned "Token indices sequence length is longer than the specified maximum
+    sequence length for this model (15168 > 8192) ... indexing errors" on a Hermes prompt
+    although the window was 65,536: SmolLM2's tokenizer is told the served window."""
+    from rlproxy.serving.chat_template import render_prompt
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    hf = logging.getLogger("transformers")  # the library's root: its loggers do not propagate
+    hf.addHandler(handler)
+    try:
+        ids = render_prompt(scaled.tokenizer, [{"role": "user", "content": words(15000)}], None)
+    finally:
+        hf.removeHandler(handler)
+    assert 8192 < len(ids) < 65536 and scaled.tokenizer.model_max_length == 65536
+    assert not [m for m in said if "longer than the specified maximum" in m], said
+
+
 def test_a_prompt_past_the_trained_window_is_served_when_scaled(tmp_path):
     """A llama (SmolLM2's architecture; small and random, so that a prompt past its 2,048
     trained tokens prefills in seconds rather than SmolLM2's minutes on a CPU) served with

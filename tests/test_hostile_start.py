@@ -379,8 +379,9 @@ def test_start_time_readers_skip_what_they_cannot_use(tmp_path, caplog, monkeypa
 
 
 def test_a_stop_that_gives_up_on_a_slow_step_charges_none_of_its_turns(tmp_path, monkeypatch):
-    """stop() waits STOP_WAIT_S for the step, then ends it uncharged (`stopped`) before the
-    process exits in it: the next start finds no open step to book as a death."""
+    """stop() waits --drain-timeout-s and then STOP_WAIT_S for a step that reaches no unit
+    (where a stop would end it), then ends it uncharged (`stopped`) before the process exits in
+    it: the next start finds no open step to book as a death."""
     from rlproxy.training import loop
     from rlproxy.serving.model import load_serving_model
     from rlproxy.settings import ModelSettings
@@ -397,6 +398,7 @@ def test_a_stop_that_gives_up_on_a_slow_step_charges_none_of_its_turns(tmp_path,
 
     monkeypatch.setattr(trainer.learner, "forward_backward", slow)
     monkeypatch.setattr(loop, "STOP_WAIT_S", 0.2)
+    trainer.settings.server.drain_timeout_s = 0.1
     model = load_serving_model(ModelSettings(model="tiny"))
     trainer.start()
     thread = trainer._thread

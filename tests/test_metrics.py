@@ -78,6 +78,28 @@ def test_metrics_parse_and_counters_move_with_requests(keyed):
     assert value(after, "rlproxy_sessions_open") >= 1
 
 
+def test_healthz_and_metrics_give_resident_memory_and_its_peak(keyed):
+    """The server runs in this process: what it says lies between this process's own readings
+    taken before and after (the peak only grows; Linux counts it in KiB and updates it lazily,
+    so it is at least the resident memory now)."""
+    import resource
+
+    def peak():
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+        return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss)
+
+    low = peak()
+    memory = requests.get(keyed.url + "/healthz").json()["memory"]
+    samples = scrape(keyed.url)
+    high = peak()
+    assert low <= memory["peak_rss_bytes"] <= high
+    assert 0 < memory["rss_bytes"] <= memory["peak_rss_bytes"]
+    assert memory["peak_rss_gib"] == round(memory["peak_rss_bytes"] / 2**30, 3)
+    assert low <= value(samples, "rlproxy_process_peak_resident_memory_bytes") <= high
+    assert 0 < value(samples, "rlproxy_process_resident_memory_bytes") <= high
+
+
 def test_metrics_need_the_key_unless_public(keyed, tiny, tmp_path):
     assert requests.get(keyed.url + "/metrics").status_code == 401
     assert requests.get(keyed.url + "/metrics", headers={"x-api-key": KEY}).status_code == 200

@@ -313,7 +313,8 @@ def test_kv_quantization_shrinks_entries(tiny, tmp_path):
     p0 = random_tokens(rng, 200)
     sizes = {}
     for bits in (None, 8):
-        e = Engines(tiny, tmp_path / f"pc{bits}", kv_bits=bits, kv_group_size=32)
+        e = Engines(tiny, tmp_path / f"pc{bits}", kv_bits=bits, kv_group_size=32,
+                    quantized_kv_start=0)
         try:
             tokens, _, _ = e.run(p0)
             sizes[bits] = e.cache.health()["bytes_written"]
@@ -329,6 +330,31 @@ def test_kv_quantization_shrinks_entries(tiny, tmp_path):
         finally:
             e.close()
     assert sizes[8] < 0.4 * sizes[None]
+
+
+def test_by_default_agent_length_entries_are_stored_in_8_bits(tiny, tmp_path):
+    """Issue 41: SmolLM2's 16k-token entries were ~740 MB each and 4 GB held five. By default an
+    entry of at least 8,192 tokens is stored in 8 bits (group 32: the tiny model's head dim is
+    32), a shorter one exactly; the long one restores close to scratch."""
+    rng = random.Random(9)
+    short, long = random_tokens(rng, 300), random_tokens(rng, 8300)
+    e = Engines(tiny, tmp_path / "pc")  # CacheSettings' defaults (16-token blocks)
+    try:
+        assert e.cache.health()["kv_quantization"]["stored_entries"] == {
+            "bits": 8, "group_size": 32, "quantized_kv_start": 8192}
+        sizes = []
+        for prompt in (short, long):
+            before = e.cache.health()["bytes_written"]
+            tokens, _, _ = e.run(prompt, max_tokens=4)
+            sizes.append((e.cache.health()["bytes_written"] - before) / (len(prompt) + 4))
+        assert sizes[1] < 0.35 * sizes[0]  # (1 byte + 8 of scale and bias per 32) / 4 bytes
+        prompt = long + tokens + random_tokens(rng, 20)
+        got = e.run(prompt)
+        assert got[2] == len(long) + len(tokens)
+        want = generate(e.reference, prompt)
+        assert abs(got[1][0] - want[1][0]) < 0.05  # dequantized: close, not bit-equal
+    finally:
+        e.close()
 
 
 def test_kv_group_size_must_fit_the_model(tiny, tmp_path):

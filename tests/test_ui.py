@@ -427,6 +427,7 @@ def test_status_shows_one_screen(trained, capsys):
             "module:fn") in lines
     assert any(ln.startswith("cache     hit rate") for ln in lines)
     assert any(ln.startswith("last ") and "reward" in ln for ln in lines)
+    assert any(ln.startswith("serving ") and " GiB (peak " in ln for ln in lines), lines
 
 
 def test_progress_bars_draw_only_on_a_terminal(monkeypatch):

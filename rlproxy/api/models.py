@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 from rlproxy.api.edge import json_response
-from rlproxy.appkeys import MODEL, STARTED
+from rlproxy.appkeys import MODEL, SETTINGS, STARTED
 from rlproxy.ops.health import served_names
 from rlproxy.protocol import APIError, shown
 
@@ -15,14 +15,18 @@ from rlproxy.protocol import APIError, shown
 def model_card(app: web.Application, name: str) -> dict:
     """One served model in a shape both SDKs parse: OpenAI's fields, then Anthropic's, then
     the window as OpenRouter-style listings say it (`context_length`: Hermes Agent reads it
-    first, and refuses to start below 64,000 tokens)."""
+    first, and refuses to start below 64,000 tokens), and, with --max-completion-tokens, that
+    cap (`max_completion_tokens`: what `rlproxy connect` sizes an agent's budget to)."""
     created = int(app[STARTED])
     context = app[MODEL].context_length
-    return {"id": name, "object": "model", "created": created, "owned_by": "rlproxy",
+    card = {"id": name, "object": "model", "created": created, "owned_by": "rlproxy",
             "type": "model", "display_name": name,
             "created_at": datetime.fromtimestamp(created, timezone.utc).strftime(
                 "%Y-%m-%dT%H:%M:%SZ"),
             "max_input_tokens": context, "context_length": context}
+    if (cap := app[SETTINGS].engine.max_completion_tokens) is not None:
+        card["max_completion_tokens"] = cap
+    return card
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -33,7 +33,7 @@ from aiohttp import http_exceptions as hx
 from aiohttp import web
 
 from rlproxy.api.edge import both_shapes, error_response, json_response
-from rlproxy.appkeys import ADMISSION, OUTLIVES, SETTINGS, STOPPING
+from rlproxy.appkeys import ADMISSION, DRAINING, OUTLIVES, SETTINGS, STOPPING
 from rlproxy.ops.ranks import launched_rank
 from rlproxy.protocol import APIError, shown
 from rlproxy.settings import ServerSettings
@@ -353,6 +353,7 @@ def run_app(app: web.Application, *, host: str, port: int, print=print) -> None:
             await web.TCPSite(runner, host, port).start()
             print(f"======== Running on http://{host}:{port} ========\n(Press CTRL+C to quit)")
             await signalled.wait()
+            app[DRAINING].set()  # long background work stops now, beside the drain
             await drain(runner, app[SETTINGS].server.drain_timeout_s, stopping)
         finally:
             await runner.cleanup()  # handlers left after the grace are cancelled; cleanup_ctx

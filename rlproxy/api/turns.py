@@ -133,6 +133,9 @@ class Call:
                       "max_tokens": self.params[0].max_tokens,
                       "max_tokens_requested": req.max_tokens,
                       "max_tokens_clamped": (req.max_tokens or 0) > self.params[0].max_tokens,
+                      "max_tokens_clamped_by": clamped_by(
+                          req.max_tokens, self.params[0].max_tokens,
+                          self.request.app[SETTINGS].engine.max_completion_tokens),
                       "seeds": [p.seed for p in self.params], "logit_bias": req.logit_bias,
                       "presence_penalty": req.presence_penalty,
                       "frequency_penalty": req.frequency_penalty,
@@ -162,6 +165,15 @@ class Call:
                 d.cancelled() or d.exception() is not None):
             return None
         return {"body": self.kept["body"], "events": None}
+
+
+def clamped_by(requested: int | None, used: int, cap: int | None) -> str | None:
+    """Which limit cut a request's own budget: "max_completion_tokens" (the operator's cap),
+    "context" (what the window had left), or None (it got what it asked for, or asked for
+    nothing: --default-max-tokens applied)."""
+    if requested is None or requested <= used:
+        return None
+    return "max_completion_tokens" if cap is not None and used == cap else "context"
 
 
 def unacknowledged(durable: asyncio.Future, turn: Turn) -> None:
@@ -247,7 +259,8 @@ async def make_call(request: web.Request, req: ChatRequest, tags: TurnTags, api:
     prompt = await loop.run_in_executor(None, build_prompt, model.tokenizer, req)
     params = sampling_params(req, len(prompt.ids), model.context_length,
                              settings.engine.default_max_tokens, model.vocab_size,
-                             settings.engine.strict_max_tokens)
+                             settings.engine.strict_max_tokens,
+                             settings.engine.max_completion_tokens)
     place = None
     if not tags.opt_out:
         place = store.resolve(tags, prompt.messages, prompt.tools, req.max_tokens, thread_hint)

@@ -17,6 +17,7 @@ from typing import Callable
 from rlproxy.connect.formats import table
 
 PROVIDER = "rlproxy"  # the provider id connect adds to agents that name providers
+MAX_BUDGET = 8192  # completion tokens: a long file written in one tool call fits
 CHECK_PROMPT = "Say hi in one word."
 
 
@@ -28,10 +29,22 @@ class Target:
     model: str
     api_key: str
     context: int | None  # the served window; None when the server did not say
+    cap: int | None = None  # the server's --max-completion-tokens, when it has one
 
     @property
     def openai_url(self) -> str:
         return self.url + "/v1"
+
+    @property
+    def budget(self) -> int | None:
+        """The completion budget an agent is given: an eighth of the window, at most 8,192
+        tokens, and never past the server's own cap. Agents otherwise ask for budgets of the
+        models they know (Hermes 65,536, Claude Code 32,000): on a CPU a reply that never stops
+        then runs for most of an hour. None when the window is unknown."""
+        if not self.context:
+            return None
+        budget = min(MAX_BUDGET, self.context // 8)
+        return min(budget, self.cap) if self.cap else budget
 
 
 def home() -> Path:
@@ -68,6 +81,8 @@ def claude(doc, t: Target) -> None:
     for alias in ("HAIKU", "SONNET", "OPUS"):
         env[f"ANTHROPIC_DEFAULT_{alias}_MODEL"] = t.model
     env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"  # no telemetry or update checks
+    if t.budget:  # its main turns' max_tokens (32,000 otherwise)
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(t.budget)
 
 
 def opencode(doc, t: Target) -> None:
@@ -84,7 +99,7 @@ def opencode(doc, t: Target) -> None:
     model = table(table(provider, "models", "json"), t.model, "json")
     model["name"] = t.model
     if t.context:  # OpenCode compacts at context - output, and asks for `output` tokens
-        model["limit"] = {"context": t.context, "output": min(32_000, t.context // 4)}
+        model["limit"] = {"context": t.context, "output": t.budget}
     doc["model"] = doc["small_model"] = f"{PROVIDER}/{t.model}"
 
 
@@ -100,7 +115,7 @@ def openclaw(doc, t: Target) -> None:
     entry = {"id": t.model, "name": t.model, "reasoning": False, "input": ["text"],
              "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}
     if t.context:
-        entry |= {"contextWindow": t.context, "maxTokens": min(32_000, t.context // 4)}
+        entry |= {"contextWindow": t.context, "maxTokens": t.budget}  # its max_tokens
     others = [m for m in provider.get("models") or [] if m.get("id") != t.model]
     provider["models"] = [entry, *others]
     defaults = table(table(doc, "agents", "json"), "defaults", "json")
@@ -111,7 +126,8 @@ def openclaw(doc, t: Target) -> None:
 
 def hermes(doc, t: Target) -> None:
     """The `model` section as a custom OpenAI-compatible endpoint. No context_length: Hermes reads
-    the window from /v1/models, so the served window is the one it checks."""
+    the window from /v1/models, so the served window is the one it checks. `max_tokens`: its
+    custom provider asks for 65,536 completion tokens otherwise."""
     if not isinstance(doc.get("model"), dict):  # Hermes' default config has `model: ""`
         doc["model"] = None
     model = table(doc, "model", "yaml")
@@ -119,6 +135,8 @@ def hermes(doc, t: Target) -> None:
     model["default"] = t.model
     model["base_url"] = t.openai_url
     model["api_key"] = t.api_key
+    if t.budget:
+        model["max_tokens"] = t.budget
 
 
 @dataclass(frozen=True)
@@ -167,4 +185,15 @@ WINDOW_NEEDS = {
     "openclaw": (25_000, "its first prompt is that long"),
     # hermes-agent's agent/model_metadata.py MINIMUM_CONTEXT_LENGTH
     "hermes": (64_000, "it refuses a model with a smaller window"),
+}
+
+# Where an agent does not keep to the budget connect writes, and what caps it instead.
+BUDGET_CAVEATS = {
+    # codex-rs's ResponsesApiRequest has no max_output_tokens, nor its config a setting for one
+    "codex": "Codex CLI has no completion-budget setting and sends none: the server's "
+             "--default-max-tokens (or --max-completion-tokens, when lower) caps its replies",
+    # hermes-agent 0.19 agent/conversation_loop.py: `restart_with_length_continuation`
+    "hermes": "Hermes Agent retries a reply cut at its budget up to 4 times with the budget "
+              "doubled each time (to 32,768 tokens): `rlproxy serve --max-completion-tokens N` "
+              "caps those retries too",
 }

@@ -17,7 +17,7 @@ import urllib.error
 from pathlib import Path
 
 from rlproxy.connect import check
-from rlproxy.connect.agents import AGENTS, WINDOW_NEEDS, Target
+from rlproxy.connect.agents import AGENTS, BUDGET_CAVEATS, WINDOW_NEEDS, Target
 from rlproxy.connect.formats import ConfigError, dump, load
 from rlproxy.ops.status import fetch
 from rlproxy.settings import ModelSettings
@@ -54,22 +54,24 @@ class KeyRefused(Exception):
     """The server answered 401/403: it wants an API key connect was not given (or another)."""
 
 
-def served(url: str, key: str, model: str | None) -> tuple[str | None, int | None]:
-    """(the served model name, its context window) from GET /v1/models; (None, None) when the
-    server does not answer. A `model` given by the user picks its card if the server lists it."""
+def served(url: str, key: str, model: str | None) -> tuple[str | None, int | None, int | None]:
+    """(the served model name, its context window, its --max-completion-tokens) from GET
+    /v1/models; Nones when the server does not answer. A `model` given by the user picks its
+    card if the server lists it."""
     try:
         cards = fetch(f"{url}/v1/models", key)["data"]
     except urllib.error.HTTPError as e:  # a URLError too: it answered, and said no
         if e.code in (401, 403):
             raise KeyRefused(f"the server at {url} answered {e.code} to GET /v1/models: it was "
                              "started with --api-key; pass the same key with --api-key") from None
-        return None, None
+        return None, None, None
     except (urllib.error.URLError, OSError, ValueError, KeyError):
-        return None, None
+        return None, None, None
     card = next((c for c in cards if c["id"] == model), cards[0] if cards else None)
     if card is None:
-        return None, None
-    return card["id"], card.get("context_length") or card.get("max_input_tokens")
+        return None, None, None
+    return (card["id"], card.get("context_length") or card.get("max_input_tokens"),
+            card.get("max_completion_tokens"))
 
 
 def base_url(url: str) -> str:
@@ -160,6 +162,18 @@ def report_window(agent_name: str, context: int | None) -> None:
         print(f"the server's window is {context:,} tokens; {name} needs {need:,} ({why})")
 
 
+def report_budget(agent_name: str, target: Target) -> None:
+    """Say the completion budget written, and where the agent does not keep to it (a note: the
+    "warning:" lines are the window's, which stop an agent from working at all)."""
+    name, caveat = AGENTS[agent_name].name, BUDGET_CAVEATS.get(agent_name)
+    if target.budget and agent_name != "codex":
+        print(f"{name}'s completion budget: {target.budget:,} tokens (an eighth of the window, "
+              "at most 8,192" + (", within the server's --max-completion-tokens" if target.cap
+                                 else "") + ")")
+    if caveat and not (target.cap and agent_name == "hermes"):  # the cap holds its retries
+        print(f"note: {caveat}")
+
+
 def connect_cmd(args: argparse.Namespace) -> int:
     agent = AGENTS[args.agent]
     if args.undo:
@@ -169,7 +183,7 @@ def connect_cmd(args: argparse.Namespace) -> int:
         return undo(Path(os.path.realpath(agent.path())))
     url, key = base_url(args.url), args.api_key or PLACEHOLDER_KEY
     try:
-        name, context = served(url, key, args.model)
+        name, context, cap = served(url, key, args.model)
     except KeyRefused as e:
         print(f"rlproxy connect: {e}; nothing written", file=sys.stderr)
         return 1
@@ -178,13 +192,14 @@ def connect_cmd(args: argparse.Namespace) -> int:
         print(f"note: no server answered at {url}/v1/models; using the model name {name!r} and "
               "leaving the context window to the agent (run connect again once the server is "
               "up to fill them in)")
-    target = Target(url, args.model or name, key, context)
+    target = Target(url, args.model or name, key, context, cap)
     print(f"{agent.name} -> {target.openai_url}, model {target.model}"
           + (f", {context:,}-token window" if context else ""))
     rc = connect(args.agent, target, args.dry_run)
     if rc:
         return rc
     report_window(args.agent, context)
+    report_budget(args.agent, target)
     found = shutil.which(agent.binary)
     print(f"run it: {agent.run}")
     print(f"{agent.binary}: " + (found or f"not found on PATH (install: {agent.install})"))

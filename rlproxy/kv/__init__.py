@@ -43,9 +43,10 @@ engine only; knows nothing of requests or sessions.
   versions older than v - N (never served again: diskcache's `evict(tag)`). Under budget
   pressure entries outside the window go first, then the least recently written or read, one at
   a time (diskcache's `cull` deletes ten at once). One server per data directory.
-- **KV quantization** (`--kv-bits`, `--kv-group-size`, `--quantized-kv-start`) applies to
+- **KV quantization** (`--kv-bits`, `--kv-group-size`, `--quantized-kv-start`; by default 8
+  bits from 8,192 tokens, so an agent's 16k-token SmolLM2 entry is 207 MB, not 737) applies to
   *stored entries only*: entries of at least `quantized_kv_start` tokens are kept quantized in
-  memory and on disk (4-8x smaller) and dequantized on restore, so their output is close to,
+  memory and on disk (3.6-6.4x smaller) and dequantized on restore, so their output is close to,
   not equal to, output from scratch. Live decoding always keeps full-precision KV: mlx-lm 0.32's
   BatchGenerator has no kv_bits option and cannot batch a QuantizedKVCache (no `merge`).
 - Models whose cache layers are not all plain `KVCache` (sliding windows, SSM state) are not

@@ -97,6 +97,13 @@ def unstorable(model: nn.Module) -> str | None:
     return None
 
 
+def default_group_size(model: nn.Module) -> int:
+    """64 (the smaller entry), or 32 where 64 does not divide the head dim (a probe)."""
+    probe = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=probe)
+    return 64 if probe[0].keys.shape[-1] % 64 == 0 else 32
+
+
 def check_quantizable(model: nn.Module, bits: int, group_size: int) -> None:
     """Raise ValueError, saying what to change, when --kv-bits/--kv-group-size cannot quantize
     this model's KV (a probe: one token through the model)."""

@@ -27,8 +27,9 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, LRUPromptCache
 
 from rlproxy.kv.blobs import (
-    FORMAT, LIVE_KV, CorruptEntry, Entry, block_hashes, check_quantizable, common_prefix, digest,
-    end_hash, fresh_kv, model_key, pack, to_caches, unpack, unstorable,
+    FORMAT, LIVE_KV, CorruptEntry, Entry, block_hashes, check_quantizable, common_prefix,
+    default_group_size, digest, end_hash, fresh_kv, model_key, pack, to_caches, unpack,
+    unstorable,
 )
 from rlproxy.kv.disk import open_disk
 from rlproxy.kv.index import BlockIndex
@@ -75,7 +76,8 @@ class PrefixCache:
                  unsupported: str | None = None):
         self.directory = Path(directory)
         self.block = settings.prefix_block_tokens
-        self.quant = [settings.kv_group_size, settings.kv_bits] if settings.kv_bits else None
+        self.quant = ([settings.kv_group_size or 64, settings.kv_bits] if settings.kv_bits
+                      else None)
         self.quantized_kv_start = settings.quantized_kv_start
         start = self.quantized_kv_start if self.quant else 0
         kv = json.dumps({"quant": self.quant, "start": start})
@@ -396,5 +398,7 @@ def open_prefix_cache(directory: str | Path, settings: CacheSettings, model: nn.
     thread starts."""
     unsupported = unstorable(model)
     if unsupported is None and settings.kv_bits:
-        check_quantizable(model, settings.kv_bits, settings.kv_group_size)
+        group = settings.kv_group_size or default_group_size(model)
+        check_quantizable(model, settings.kv_bits, group)
+        settings = settings.model_copy(update={"kv_group_size": group})
     return PrefixCache(directory, settings, model_key(model, model_id), unsupported)

@@ -19,6 +19,7 @@ import time
 from aiohttp import web
 
 from rlproxy import records
+from rlproxy.ops.metrics import process_memory
 from rlproxy.appkeys import (
     ADMISSION, ENGINE, MODEL, RANKS, SCORER, SESSIONS, SETTINGS, STARTED, TINKER, TRAINER,
 )
@@ -27,8 +28,10 @@ NO_PREFIX_CACHE = {"enabled": False, "reason": "--no-prefix-cache"}
 
 
 def served_names(app: web.Application) -> list[str]:
-    """The model names this server answers to (--served-model-name, else the model's id)."""
-    return app[SETTINGS].server.served_model_name or [app[MODEL].model_id]
+    """The model names this server answers to (--served-model-name, else the model's id and
+    its aliases: the default model's hub id)."""
+    model = app[MODEL]
+    return app[SETTINGS].server.served_model_name or [model.model_id, *model.aliases]
 
 
 def health(app: web.Application, blas: str) -> tuple[dict, int]:
@@ -64,6 +67,7 @@ def health(app: web.Application, blas: str) -> tuple[dict, int]:
         # under mlx.launch: the ranks and, once one failed, why (training waits, serving goes on)
         "ranks": ({"size": app[RANKS].size, "error": app[RANKS].broken} if RANKS in app
                   else {"size": 1, "error": None}),
+        "memory": process_memory(),  # this process's resident memory now, and its peak
     }
     return body, 200 if ok else 503
 

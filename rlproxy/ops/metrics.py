@@ -148,10 +148,28 @@ def resident_bytes() -> int | None:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
-        import resource  # macOS: peak, the closest figure without psutil
+        return _max_rss()  # macOS: the peak, the closest figure without psutil
 
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024
+
+def peak_resident_bytes() -> int:
+    """The most resident memory this process has held (a training step's peak, mostly). The
+    kernel updates its high-water mark lazily: never below the resident memory now."""
+    return max(_max_rss(), resident_bytes() or 0)
+
+
+def _max_rss() -> int:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes there, KiB on Linux
+
+
+def process_memory() -> dict:
+    """/healthz's `memory`: resident and peak resident bytes, and the same in GiB."""
+    rss, peak = resident_bytes(), peak_resident_bytes()
+    return {"rss_bytes": rss, "peak_rss_bytes": peak,
+            "rss_gib": None if rss is None else round(rss / 2**30, 3),
+            "peak_rss_gib": round(peak / 2**30, 3)}
 
 
 def gauge(name: str, doc: str, value) -> GaugeMetricFamily:
@@ -236,6 +254,9 @@ class LiveCollector:
         rss = resident_bytes()
         if rss is not None:
             yield gauge("rlproxy_process_resident_memory_bytes", "Resident memory", rss)
+        yield gauge("rlproxy_process_peak_resident_memory_bytes", "The most resident memory "
+                    "the process has held (a long training step's, mostly)",
+                    peak_resident_bytes())
 
 
 def prefix_cache_metrics(c: dict):

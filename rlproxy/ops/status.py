@@ -124,8 +124,11 @@ def render(health: dict, overview: dict | None) -> str:
     if health.get("error"):
         lines.append(f"  engine error: {health['error']}")
     eng = health["engine"]
+    memory = health.get("memory") or {}  # a server from before issue 41 says none
     lines.append(f"serving   {eng['requests']} requests, {eng['tokens']} tokens, "
-                 f"{eng['active']} decoding now")
+                 f"{eng['active']} decoding now" + (
+                     f"; memory {num(memory['rss_gib'], 2)} GiB (peak "
+                     f"{num(memory['peak_rss_gib'], 2)})" if memory else ""))
     if cache.get("lookups") is not None:
         rate = cache["hits"] / cache["lookups"] if cache["lookups"] else None
         lines.append(f"cache     hit rate {num(rate, 2)} ({cache['hits']}/{cache['lookups']} "

@@ -18,6 +18,7 @@ class JudgeHealth:
     bad: int = 0  # decided verdicts < 0
     undecided: int = 0  # judged, but no verdict or a margin under --prm-min-margin
     skipped: int = 0  # not judged: feedback or a reward function decided it (override)
+    cut: int = 0  # not judged: cut at its budget, or only the agent's own note followed
     lifted: int = 0  # turns at-least-one released with +1
     released: int = 0  # turns released (chosen choices; feedback re-releases not counted)
     feedback_agree: int = 0  # explicit feedback and a decided verdict with the same sign
@@ -27,6 +28,8 @@ class JudgeHealth:
         """A score line: its verdict, and the feedback it was scored with."""
         if line.get("judge_skipped"):
             self.skipped += 1
+        elif line.get("cut") and not line.get("judged"):  # scoring/notes.py
+            self.cut += 1
         elif line.get("judge_reward") is not None:
             if line["judge_reward"] > 0:
                 self.good += 1

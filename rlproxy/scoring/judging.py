@@ -58,6 +58,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+from rlproxy.scoring.notes import note_rule, without_notes
 from rlproxy.settings import STD_FLOOR  # --group-std-floor's default: see the docstring
 
 BOXED = re.compile(r"\\boxed\{\s*([+-]?\d+)\s*\}")
@@ -113,7 +114,10 @@ def trim_middle(text: str, limit: int) -> str:
 
 
 def user_request(messages: list[dict], limit: int) -> str:
-    last = next((m for m in reversed(messages) if m["role"] == "user"), None)
+    """The last user message that is no agent's note (scoring/notes.py): a reply that continues
+    one cut at its budget is judged against what the user asked."""
+    last = next((m for m in reversed(messages) if m["role"] == "user"
+                 and note_rule(m) is None), None)
     return trim_middle((last or {}).get("content") or "(no user message)", limit)
 
 
@@ -140,7 +144,8 @@ def fill_prompt(template: str, turn: dict, limit: int, choice: int | None = None
     choice = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
     values = {"{user_request}": user_request(turn["messages"], limit),
               "{assistant_output}": assistant_output(choice),
-              "{next_state}": render_next_state(turn["next_state"] or [], limit)}
+              "{next_state}": render_next_state(without_notes(turn["next_state"] or []),
+                                                limit)}
     for key, value in values.items():
         template = template.replace(key, value)
     return template
@@ -176,7 +181,7 @@ def fill_verdict_prompt(template: str, turn: dict, limit: int,
     """The verdict prompt for one choice of TURN: the template's few-shot examples, then this
     turn's next state and step, ending where the label word goes."""
     choice = turn["choices"][turn.get("chosen_choice", 0) if choice is None else choice]
-    values = {"{next_state}": render_next_state_inline(turn["next_state"] or [],
+    values = {"{next_state}": render_next_state_inline(without_notes(turn["next_state"] or []),
                                                        VERDICT_STATE_CHARS),
               "{assistant_output}": " ".join(trim_middle(assistant_output(choice),
                                                          300).split()),

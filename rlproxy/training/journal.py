@@ -12,7 +12,7 @@ again: a poison turn costs at most `max_attempts` failures, never a crash loop.
 A line a full disk refuses (an end, a quarantine) is kept, in order, and written before the next
 step's start, which waits for it: so a step whose end could not be written is never left open on
 disk behind a later step, to be booked as a death at the next start. A graceful stop that gives
-up waiting for a step ends it uncharged (`"stopped": true`).
+up waiting for a step, or ends it at its next unit, ends it uncharged (`"stopped": true`).
 
 Crash blame. A death is not always the step's fault: an operator restarting the server, a
 deploy, the OOM killer taking the biggest process. So a death charges the step's turns only when
@@ -52,7 +52,8 @@ from rlproxy.records import JsonlWriter, WriteFailed, numbered_jsonl
 log = logging.getLogger("rlproxy.trainer")
 SYSTEMIC_TURNS = 3  # different turns failing in a row with one error type: the cause is not them
 DIED = "the process died during this step (killed, out of memory or crashed)"
-STOPPED = "the server stopped before this step ended (a graceful stop gave up waiting for it)"
+STOPPED = ("the server stopped before this step ended (the stop ended it at its next unit, or "
+           "gave up waiting for it)")
 # a process up this long counts as proven without a clean step: a restart loop kills sooner
 CLEAN_RUN_S = 60.0
 _warned: set[tuple[str, int]] = set()  # (journal, entry) read back that was not a journal line
@@ -218,8 +219,9 @@ class StepJournal:
                 self._charge(uids, error)
 
     def stopped(self) -> None:
-        """The process stops with a step still running (a graceful stop gave up waiting): it
-        ends uncharged, so the next start does not book it as a death."""
+        """The process stops with a step still running (the stop ended it between two units, or
+        gave up waiting for it): it ends uncharged, so the next start does not book it as a
+        death."""
         if self.open is not None:
             n, self.open = self.open[0], None
             self._write({"kind": "step_end", "n": n, "ok": False, "error": STOPPED,

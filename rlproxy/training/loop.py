@@ -52,7 +52,9 @@ from rlproxy.training.status import Progress, Status, TrainerStats, TrainerStatu
 
 __all__ = ["Trainer", "TrainerStats", "released_turns", "training_copy"]  # app.py and cli.py's
 log = logging.getLogger("rlproxy.trainer")
-STOP_WAIT_S = 120.0  # a stop waits this long for a step; then it ends the step uncharged
+# After --drain-timeout-s, a stop waits this much longer for the unit in progress (an MLX thread
+# still computing at interpreter exit aborts the process), then ends the step uncharged.
+STOP_WAIT_S = 120.0
 
 
 class Trainer:
@@ -140,7 +142,7 @@ class Trainer:
         """Train BATCH and settle it in the books; False when it waits (a full disk, a learner
         away): its items not trained yet go back to the inbox, after the outcome's delay."""
         outcome = self.runner.run(batch)
-        self.books.settle(batch, again=outcome.wait is not None)
+        self.books.settle(batch, again=outcome.wait is not None or outcome.stopped)
         if outcome.wait is not None:
             time.sleep(outcome.wait.delay)
             return False
@@ -153,14 +155,29 @@ class Trainer:
             raise outcome.wait.error
         return outcome.lines
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """From any thread (SIGTERM's drain, pipeline.py; `stop`): no batch after this one, and
+        the step in progress ends at its next unit, its turns uncharged (training/pacing.py);
+        the thread then saves what is unsaved and ends."""
         self._running = False
+        self.pacer.stop()
         self.books.close()
+
+    def stop(self) -> None:
+        """Stop, and wait for the thread: --drain-timeout-s for the unit in progress, then up to
+        STOP_WAIT_S more; only then does the process go on without the step (ended uncharged)."""
+        self.request_stop()
         if self._thread is not None:
-            self._thread.join(timeout=STOP_WAIT_S)
+            wait = self.settings.server.drain_timeout_s
+            self._thread.join(timeout=wait)
+            if self._thread.is_alive():
+                log.warning("the training step's unit in progress still runs after %g s "
+                            "(--drain-timeout-s); waiting up to %g s more for it", wait,
+                            STOP_WAIT_S)
+                self._thread.join(timeout=STOP_WAIT_S)
             if self._thread.is_alive():  # the process exits inside the step: not the turns' fault
                 log.error("training step still running after %g s; stopping without it",
-                          STOP_WAIT_S)
+                          wait + STOP_WAIT_S)
                 self.journal.stopped()
         else:  # offline use: the caller's thread did the training
             try:

@@ -7,19 +7,38 @@ decoding it rests spent * (1 - d) / d, so a request arriving mid-step waits at m
 in progress, and under constant traffic training still gets its share d (`duty_cycle`). It
 counts the units of the current step or evaluation for its line in training.jsonl.
 
+A stop (`stop`: SIGTERM, the trainer's `stop`) ends a training step at its next unit: `unit`
+raises `Stopped` there instead of resting, so the trainer thread leaves MLX well within
+--drain-timeout-s however long the step (an MLX thread still computing when the interpreter exits
+aborts the process, or has OpenBLAS print "BLAS : Bad memory unallocation!").
+
 Not here: what the units compute, the engine (only its `busy`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable
+
+
+class Stopped(Exception):
+    """The trainer is stopping: the step in progress ends at this unit, its turns uncharged."""
 
 
 class Pacer:
     def __init__(self, busy: Callable[[], bool] | None, duty_cycle: float):
         self.busy, self.duty_cycle = busy, duty_cycle  # busy: None without an engine
         self.units = {"units": 0, "max_unit_s": 0.0, "yielded_s": 0.0}
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """From any thread: the step in progress ends at its next unit (`unit` raises)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     def restart(self) -> None:
         """A new step or evaluation: its units are counted from 0."""
@@ -29,7 +48,14 @@ class Pacer:
         u = self.units
         u["units"] += 1
         u["max_unit_s"] = max(u["max_unit_s"], spent)
-        if self.busy is not None and self.busy():
+        if self.busy is not None and self.busy() and not self.stopping:
             tic = time.perf_counter()
-            time.sleep(spent * (1 - self.duty_cycle) / self.duty_cycle)
+            self._stop.wait(spent * (1 - self.duty_cycle) / self.duty_cycle)  # a stop: at once
             u["yielded_s"] += time.perf_counter() - tic
+
+    def unit(self, spent: float) -> None:
+        """After a unit of a training step's forward and backward (the `between` the learner
+        calls): as `__call__`, then `Stopped` when a stop was asked for."""
+        self(spent)
+        if self.stopping:
+            raise Stopped(f"stopped after unit {self.units['units']} of the step")

@@ -46,7 +46,7 @@ from rlproxy.training.examples import no_signal, pack, turn_example
 from rlproxy.training.items import item_choice, item_key, released_turns
 from rlproxy.training.journal import SYSTEMIC_TURNS, outside_vocab, turn_length
 from rlproxy.training.learner import Learner, LearnerFailed, LearnerUnavailable
-from rlproxy.training.pacing import Pacer
+from rlproxy.training.pacing import Pacer, Stopped
 from rlproxy.training.status import Progress, Status, TrainerStats, TrainerStatus
 
 log = logging.getLogger("rlproxy.trainer")
@@ -69,6 +69,7 @@ class Outcome:
     lines: list[dict] = field(default_factory=list)
     wait: Wait | None = None
     paused: bool = False
+    stopped: bool = False  # the trainer stopped inside a step: it ended uncharged
 
     @property
     def trained(self) -> bool:
@@ -112,6 +113,12 @@ class StepRunner:
             lines: list[dict] = []
             try:
                 self.train_batch(part, lines)
+            except Stopped as e:  # the process stops: the turns' attempts are not spent
+                log.info("training step over turns %s ended by the stop: %s", ", ".join(uids), e)
+                self.journal.stopped()
+                out.lines += lines
+                out.stopped = True
+                return out
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"[:2000]
                 if self.journal.open is None:  # after an update was applied: not the turns'
@@ -188,7 +195,7 @@ class StepRunner:
             self._skip_batch(examples, uids, reason)
             return out
         if self.learner.off_policy == "decoupled" and self.t.train_epochs > 1:
-            self.learner.proximal(examples, self.pacer)  # the clip's anchor for every epoch
+            self.learner.proximal(examples, self.pacer.unit)  # the clip's anchor, every epoch
         for epoch in range(self.t.train_epochs):
             out.append(self.train_step(examples, epoch))
             if epoch == 0:  # trained now, whatever a later epoch does
@@ -252,7 +259,7 @@ class StepRunner:
         """One optimizer step over EXAMPLES on the learner, handed to the publisher; its line."""
         tic, p = time.perf_counter(), self.progress
         self.pacer.restart()
-        fb = self.learner.forward_backward(examples, between=self.pacer)
+        fb = self.learner.forward_backward(examples, between=self.pacer.unit)
         unit = time.perf_counter()
         log.info("forward_backward step=%d loss=%.4f tokens=%d", p.step + 1, fb.loss, fb.tokens)
         opt = self.learner.optim_step(self.learner.learning_rate())
