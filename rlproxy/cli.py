@@ -123,14 +123,16 @@ def format_turn(r: dict) -> str:
 
 def records_tail(args: argparse.Namespace) -> int:
     from rlproxy.paths import CONVERSATIONS
-    from rlproxy.records import follow_jsonl, read_jsonl
+    from rlproxy.records import TurnLines, follow_jsonl, read_jsonl
 
     settings = load_settings({"data_dir": args.data_dir, "model": args.model})
     path = settings.records.data_dir / CONVERSATIONS
     lines = follow_jsonl(path) if args.follow else read_jsonl(path)
+    turns = TurnLines(path)  # a line may extend an earlier turn's: shown whole
     try:
-        for record in lines:
-            if args.session and record.get("session_id") != args.session:
+        for line in lines:
+            record = turns.full(line)
+            if record is None or (args.session and record.get("session_id") != args.session):
                 continue
             print(format_turn(record), flush=True)
     except KeyboardInterrupt:

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Callable
 from rlproxy.lru import LRU
 from rlproxy.paths import CONVERSATIONS, PENDING
 from rlproxy.protocol import shown
-from rlproxy.records import JsonlWriter, all_written, compact_pending, load_pending, read_jsonl
+from rlproxy.records import (JsonlWriter, TurnLines, all_written, compact_pending,
+                             extending_line, load_pending, numbered_jsonl)
 from rlproxy.sessions import threads as rules
 from rlproxy.sessions.replay import ReplayCache
 from rlproxy.sessions.threads import prefix_hashes, turn_heads
@@ -69,13 +70,14 @@ class StoreStart:
             self.reopen.put(sid, (nxt, False))
 
 
-def live_journal(path: Path, recorded: set[str]) -> list[dict]:
+def live_journal(path: Path, recorded: set[str], lines: TurnLines) -> list[dict]:
     """The journal's turns still pending, in journal order, less those RECORDED since (a kill
     between a turn's record line and its tombstone leaves it in both files: the record wins);
-    the journal is compacted to them (its one rewrite: start-up only)."""
+    the journal is compacted to them (its one rewrite: start-up only), as written, and each is
+    rebuilt in full by LINES (an entry may extend a line of conversations.jsonl)."""
     pending = [e for e in load_pending(path) if e["uid"] not in recorded]
     compact_pending(path, pending)
-    return pending
+    return [full for full in map(lines.full, pending) if full is not None]
 
 
 def read_start(data_dir: Path) -> StoreStart:
@@ -83,10 +85,13 @@ def read_start(data_dir: Path) -> StoreStart:
     restart a bare store: tests/test_threads.py); the server reads each file once, in
     recovery.py, and passes it."""
     start, recorded = StoreStart(), set()
-    for record in read_jsonl(Path(data_dir) / CONVERSATIONS, report_cut=True):
-        recorded.add(record.get("uid"))
-        start.recorded(record)
-    start.pending = live_journal(Path(data_dir) / PENDING, recorded)
+    lines = TurnLines(Path(data_dir) / CONVERSATIONS)
+    for _, line in numbered_jsonl(lines.path, report_cut=True):
+        record = lines.full(line)
+        if record is not None:
+            recorded.add(record.get("uid"))
+            start.recorded(record)
+    start.pending = live_journal(Path(data_dir) / PENDING, recorded, lines)
     return start
 
 
@@ -102,10 +107,11 @@ class SessionStore:
                  on_closed: Callable[[str], None] | None = None,
                  keep_closed: int = 200, keep_responses: int = 1024,
                  max_open_sessions: int = 4096, train_sessions_matching: str | None = None,
-                 start: StoreStart | None = None):
+                 start: StoreStart | None = None, extend_turns: bool = True):
         """START: what recovery.py rebuilt from the records (the server always passes it); None
         reads it here with `read_start`, for a store built alone on DATA_DIR (tests only)."""
         self.data_dir = Path(data_dir)
+        self.extend_turns = extend_turns  # lines that extend the thread's last recorded turn
         self.idle_timeout_s = idle_timeout_s
         self.max_open_sessions = max_open_sessions
         self.train_pattern = re.compile(train_sessions_matching) \
@@ -280,7 +286,8 @@ class SessionStore:
                 turn.end = "session_done"
                 own = self._finish(session, thread, turn)
             else:
-                own = self.journal.write_nowait({**turn.record(), "inferred": session.inferred})
+                line, _ = self._line(thread, turn.record())
+                own = self.journal.write_nowait({**line, "inferred": session.inferred})
                 thread.pending = turn
                 self._unindex(session, thread)
                 self._index(session, thread, turn)
@@ -314,7 +321,10 @@ class SessionStore:
     def _finish(self, session: Session, thread: Thread, turn: Turn) -> Future:
         """Record a turn whose next state is known (or never will be); the future of its line."""
         record = turn.record()
-        written = self.conversations.write_nowait(record)
+        line, depth = self._line(thread, record)
+        written = self.conversations.write_nowait(line)
+        if turn.turn_type == "main":  # the next turn of its thread extends this one
+            thread.recorded, thread.recorded_at, thread.recorded_depth = turn, written, depth
         if thread.pending is turn:
             thread.pending = None
             # The tombstone goes out only once the record line is on disk: a crash in between
@@ -325,6 +335,19 @@ class SessionStore:
         if turn.trainable:
             self.on_trainable(record)
         return written
+
+    def _line(self, thread: Thread, record: dict) -> tuple[dict, int]:
+        """RECORD as its line, and the line's depth: extending the thread's last recorded main
+        turn once that turn's line is on disk (records.py `extending_line`), else whole."""
+        parent, at = thread.recorded, thread.recorded_at
+        if not self.extend_turns or parent is None or at is None or not at.done() or at.cancelled() \
+                or at.exception() is not None \
+                or parent.uid == record["uid"]:
+            return record, 0
+        line = extending_line(record, {"uid": parent.uid, "prompt_ids": parent.prompt_ids,
+                                       "messages": parent.messages, "tools": parent.tools},
+                              at.result(), thread.recorded_depth)
+        return (record, 0) if line is None else (line, line["extends"]["depth"])
 
     def _journal_done(self, uid: str) -> None:
         try:
