@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the edge parses the headers (api/tags.py); the store only r
 log = logging.getLogger("rlproxy.sessions")
 
 MAX_OPEN_THREADS = 64  # per session; beyond it the least recently active idle one is closed
+KEEP_AGENTS = 64  # agents (system prompt and tools) whose last recorded turn a new thread extends
 KEEP_CLOSED_IDS = 65536  # closed sessions whose numbering a reopen continues (oldest forgotten)
 
 
@@ -112,6 +113,8 @@ class SessionStore:
         reads it here with `read_start`, for a store built alone on DATA_DIR (tests only)."""
         self.data_dir = Path(data_dir)
         self.extend_turns = extend_turns  # lines that extend the thread's last recorded turn
+        # (system prompt key, tools key) -> the last main turn recorded with them (_line)
+        self._agents: LRU[tuple[str, str], tuple[Turn, Future, int]] = LRU(KEEP_AGENTS)
         self.idle_timeout_s = idle_timeout_s
         self.max_open_sessions = max_open_sessions
         self.train_pattern = re.compile(train_sessions_matching) \
@@ -323,8 +326,9 @@ class SessionStore:
         record = turn.record()
         line, depth = self._line(thread, record)
         written = self.conversations.write_nowait(line)
-        if turn.turn_type == "main":  # the next turn of its thread extends this one
-            thread.recorded, thread.recorded_at, thread.recorded_depth = turn, written, depth
+        if turn.turn_type == "main":  # the next turn of its thread (or agent) extends it
+            thread.recorded = (turn, written, depth)
+            self._agents.put((thread.system, thread.tools), thread.recorded)
         if thread.pending is turn:
             thread.pending = None
             # The tombstone goes out only once the record line is on disk: a crash in between
@@ -338,15 +342,18 @@ class SessionStore:
 
     def _line(self, thread: Thread, record: dict) -> tuple[dict, int]:
         """RECORD as its line, and the line's depth: extending the thread's last recorded main
-        turn once that turn's line is on disk (records.py `extending_line`), else whole."""
-        parent, at = thread.recorded, thread.recorded_at
+        turn once that turn's line is on disk (records.py `extending_line`), or for a thread's
+        first turn the last one recorded with the same system prompt and tools (a new session
+        of the same agent shares its long head); else whole."""
+        parent, at, depth = thread.recorded or self._agents.peek((thread.system, thread.tools),
+                                                                 (None, None, 0))
         if not self.extend_turns or parent is None or at is None or not at.done() or at.cancelled() \
                 or at.exception() is not None \
                 or parent.uid == record["uid"]:
             return record, 0
         line = extending_line(record, {"uid": parent.uid, "prompt_ids": parent.prompt_ids,
                                        "messages": parent.messages, "tools": parent.tools},
-                              at.result(), thread.recorded_depth)
+                              at.result(), depth)
         return (record, 0) if line is None else (line, line["extends"]["depth"])
 
     def _journal_done(self, uid: str) -> None:

@@ -88,12 +88,10 @@ class Thread:
     heads: set[str] = field(default_factory=set)  # prefix hashes that continue it
     closed: str | None = None  # compacted | evicted | the session's closing reason
     compacts: str | None = None  # the thread whose history its first request summarized
-    # its last main turn recorded in conversations.jsonl: the future of that line (its byte
-    # offset once on disk) and how many lines it is from a whole one; the next turn's lines
+    # its last main turn recorded in conversations.jsonl, the future of that line (its byte
+    # offset once on disk) and how many lines it is from a whole one: the next turn's lines
     # extend it (records.py `extending_line`)
-    recorded: Turn | None = None
-    recorded_at: Future | None = None
-    recorded_depth: int = 0
+    recorded: tuple[Turn, Future, int] | None = None
 
     def summary(self) -> dict:
         return {"id": self.id, "open": self.closed is None, "closed": self.closed,
