@@ -49,7 +49,7 @@ from openai import OpenAI
 import agent_workload as work
 from common import environment, percentile, proc_memory_mb, report
 from rlproxy.ops.served import Served
-from rlproxy.records import read_jsonl
+from rlproxy.records import prompt_length, read_jsonl
 
 TTFT_GOAL = 2.0  # TTFT with training on / off, p50 and p95, at most
 CACHED_GOAL = 0.9  # share of prompt tokens served from the cache with training on, at least
@@ -201,7 +201,7 @@ def step_figures(on: Server, prefill) -> list[dict]:
         end = on.step_seen.get(line["step"], time.time())
         start = end - line["step_time_s"] - 0.5  # sampled every 0.5 s: seen up to 0.5 s late
         frozen = sum(max(0.0, min(end, b) - max(start, a)) for a, b in on.freezes)
-        lengths = [len(turns[u]["prompt_ids"]) for u in line["uids"] if u in turns]
+        lengths = [prompt_length(turns[u]) for u in line["uids"] if u in turns]
         step_s = max(0.0, line["step_time_s"] - frozen)
         cold = sum(prefill(n) for n in lengths)
         out.append({"step": line["step"], "adapter_version": line["adapter_version"],

@@ -81,7 +81,7 @@ def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine,
                              on_closed=scorer.session_closed,
                              max_open_sessions=settings.sessions.max_open_sessions,
                              train_sessions_matching=settings.sessions.train_sessions_matching,
-                             start=state.store)
+                             start=state.store, extend_turns=settings.records.extend_turns)
     except BaseException:  # what was built closes its files and threads before the error goes up
         if trainer is not None:
             trainer.stop()

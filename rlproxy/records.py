@@ -194,7 +194,8 @@ class JsonlWriter:
     # ---- the three ways in ----
 
     def write_nowait(self, record: dict) -> Future:
-        """Queue one line; the future is done once it is on disk (fsynced unless turned off).
+        """Queue one line; the future is done once it is on disk (fsynced unless turned off),
+        with the byte offset its line starts at (what a line that extends it names).
         Serialized here, so a record that cannot be written raises in its caller."""
         line, ours, done = dumps_line({**record, **self.stamp}), Future(), Future()
         with self._cond:
@@ -246,20 +247,24 @@ class JsonlWriter:
             if not batch:
                 return  # closing, and everything queued is written
             # a line whose waiter went away (cancelled) is written all the same
-            waiting = [done for _, _, done in batch if done.set_running_or_notify_cancel()]
-            error = self._commit(b"".join(line for line, _, _ in batch))
-            for done in self._inflight + waiting:
-                if error is None:
-                    done.set_result(None)
-                else:
-                    done.set_exception(error)
+            running = [done.set_running_or_notify_cancel() for _, _, done in batch]
+            error, at = self._commit(b"".join(line for line, _, _ in batch))
+            for (line, ours, done), waits in zip(batch, running):
+                for future in (ours, done) if waits else (ours,):
+                    if error is None:
+                        future.set_result(at)  # the byte offset where its line starts
+                    else:
+                        future.set_exception(error)
+                at += len(line)
             with self._cond:
                 self._inflight = []
 
-    def _commit(self, data: bytes) -> OSError | None:
-        """One write of whole lines, then one fsync: the group commit. On a failure (a full
-        disk) the file is cut back to its size before, so no part of the batch stays."""
-        if self._torn:
+    def _commit(self, data: bytes) -> tuple[OSError | None, int]:
+        """One write of whole lines, then one fsync: the group commit; (None, the byte offset
+        its first line starts at). On a failure (a full disk) the file is cut back to its size
+        before, so no part of the batch stays: (the error, -1)."""
+        ended = self._torn
+        if ended:
             data = b"\n" + data
         view = memoryview(data)
         before = -1
@@ -273,10 +278,10 @@ class JsonlWriter:
             self._cut_back(before)
             log.error("writing %s failed: %s", self.path, e)
             _note(self.path, self._fd, e)
-            return WriteFailed(self.path, e)
+            return WriteFailed(self.path, e), -1
         self._torn = False
         _note(self.path, self._fd, None)
-        return None
+        return None, before + ended
 
     def _cut_back(self, size: int) -> None:
         """Truncate to SIZE (the last whole line) after a failed write; if even that fails,
@@ -380,6 +385,138 @@ def _warn_once(path: Path, at: int, line: bytes, what: str) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning("%s: %s, at byte offset %d; skipped: %r", path, what, at, line[:80])
+
+
+# ---- turn lines that extend an earlier turn ----
+#
+# An agent's next prompt is its last prompt plus the reply and the next state, so a turn line
+# (conversations.jsonl, pending_turns.jsonl) that continues an earlier turn of its thread keeps
+# only what is new: `extends` names that turn (its uid, and the byte offset of its line in
+# conversations.jsonl, so a reader that has not seen it lately reads it back), how many prompt ids
+# and messages they share, and whether its tools are the same; `prompt_ids_tail` and
+# `messages_tail` hold the rest. A line is written this way only once the line it names is on
+# disk, and at most MAX_DEPTH lines in a row: then one is written in full, so a reader never
+# walks far. Everything else of the turn is in the line as before.
+
+EXTEND_MIN_IDS = 256  # shared prompt ids below which a line is written in full
+MAX_DEPTH = 32
+
+
+def common_prefix(a: list, b: list) -> int:
+    """How many leading items A and B share (slices compared in C: linear, not per item)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def extending_line(record: dict, parent: dict, at: int, depth: int) -> dict | None:
+    """RECORD (a full turn line) as a line that extends PARENT (the full record of an earlier
+    turn: uid, prompt_ids, messages, tools), whose line starts at byte AT of conversations.jsonl
+    and is DEPTH lines from a full one; None when it should be written in full (they share under
+    EXTEND_MIN_IDS prompt ids, or the chain is MAX_DEPTH long)."""
+    if depth >= MAX_DEPTH or at < 0:
+        return None
+    ids = record["prompt_ids"]
+    n = common_prefix(ids, parent["prompt_ids"])
+    if n < EXTEND_MIN_IDS:
+        return None
+    m = common_prefix(record["messages"], parent["messages"])
+    line = {k: v for k, v in record.items() if k not in ("prompt_ids", "messages", "tools")}
+    same_tools = record.get("tools") == parent.get("tools")
+    if not same_tools:
+        line["tools"] = record.get("tools")
+    line["extends"] = {"uid": parent["uid"], "at": at, "depth": depth + 1, "ids": n,
+                       "messages": m, "tools": same_tools}
+    line["prompt_ids_tail"] = ids[n:]
+    line["messages_tail"] = record["messages"][m:]
+    return line
+
+
+class TurnLines:
+    """Full turn records from turn lines in either form (`extending_line`'s or whole), for
+    readers of conversations.jsonl and pending_turns.jsonl: `full(line)` rebuilds one exactly
+    (the same prompt ids, messages and tools). The turns it saw lately are kept (KEEP of them);
+    one further back is read again from CONVERSATIONS by its offset. Read the lines in file
+    order where you can: a parent then comes from memory."""
+
+    def __init__(self, conversations: Path, keep: int = 64):
+        self.path = Path(conversations)
+        self.recent: LRU[str, dict] = LRU(keep)  # uid -> its full record (main turns only)
+        self.missing = 0  # lines whose parent could not be read
+
+    def full(self, line: dict) -> dict | None:
+        """LINE as a full record (LINE itself when it is whole); None, with a WARNING naming
+        both, when the turn it extends cannot be read (the line stays in its file)."""
+        return self._full(line, 0)
+
+    def _full(self, line: dict, hops: int) -> dict | None:
+        ext = line.get("extends")
+        if ext is None:
+            record = line
+        else:
+            parent = self._parent(ext, hops)
+            if parent is None:
+                self.missing += 1
+                log.warning("%s: turn %.40s extends turn %.40s (at byte %s), which cannot be "
+                            "read; it is skipped, and its line kept", self.path, line.get("uid"),
+                            ext.get("uid"), ext.get("at"))
+                return None
+            record = {k: v for k, v in line.items()
+                      if k not in ("extends", "prompt_ids_tail", "messages_tail")}
+            record["prompt_ids"] = parent["prompt_ids"][:ext["ids"]] + line["prompt_ids_tail"]
+            record["messages"] = parent["messages"][:ext["messages"]] + line["messages_tail"]
+            if ext["tools"]:
+                record["tools"] = parent.get("tools")
+        if record.get("turn_type") == "main" and isinstance(record.get("uid"), str):
+            self.recent.put(record["uid"], record)
+        return record
+
+    def _parent(self, ext: dict, hops: int) -> dict | None:
+        try:
+            uid, at = ext["uid"], int(ext["at"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        found = self.recent.get(uid)
+        if found is not None or hops >= MAX_DEPTH:
+            return found
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(at)
+                raw = f.readline()
+            line = orjson.loads(raw) if raw.endswith(b"\n") else None
+        except (OSError, orjson.JSONDecodeError):
+            return None
+        if not isinstance(line, dict) or line.get("uid") != uid:
+            return None
+        return self._full(line, hops + 1)
+
+
+def prompt_length(line: dict) -> int:
+    """The prompt ids of a turn line, in either form."""
+    ext = line.get("extends")
+    if isinstance(ext, dict):
+        return int(ext.get("ids") or 0) + len(line.get("prompt_ids_tail") or ())
+    return len(line.get("prompt_ids") or ())
+
+
+def read_turns(path: Path, conversations: Path | None = None,
+               report_cut: bool = False) -> Iterator[tuple[int, dict]]:
+    """(line number, full record) of each turn line of PATH (conversations.jsonl, or a file
+    whose lines extend its lines: CONVERSATIONS), rebuilt by `TurnLines`; a line that cannot be
+    rebuilt is skipped with a WARNING."""
+    lines = TurnLines(conversations or path)
+    for number, line in numbered_jsonl(path, report_cut):
+        record = lines.full(line)
+        if record is not None:
+            yield number, record
 
 
 def follow_jsonl(path: Path, poll_s: float = 0.5) -> Iterator[dict]:

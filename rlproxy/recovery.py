@@ -34,7 +34,7 @@ from typing import Container, Iterable, Iterator
 
 from rlproxy.lru import LRU
 from rlproxy.paths import CONVERSATIONS, PENDING, SCORES
-from rlproxy.records import numbered_jsonl
+from rlproxy.records import TurnLines, numbered_jsonl
 from rlproxy.scoring.judging import final_reward, released_item
 from rlproxy.scoring.ledger import readable
 from rlproxy.scoring.scorer import (KEEP_FEEDBACK, KEEP_RECENT, KEEP_SCORED, RECENT_MB,
@@ -92,13 +92,17 @@ def recover(data_dir: Path, settings: Settings, handled: Container[str] | None =
         released.scores_read()
     store, recorded = StoreStart(), set()
     path = data_dir / CONVERSATIONS
-    for number, record in numbered_jsonl(path, report_cut=True):
+    turns = TurnLines(path)  # whole records from lines that extend an earlier turn
+    for number, line in numbered_jsonl(path, report_cut=True):
+        record = turns.full(line)
+        if record is None:  # its parent cannot be read: warned, its line kept
+            continue
         recorded.add(record.get("uid"))
         store.recorded(record)
         scorer.turn(record)
         if released is not None:
             released.turn(number, record, path)
-    store.pending = live_journal(data_dir / PENDING, recorded)
+    store.pending = live_journal(data_dir / PENDING, recorded, turns)
     return Recovered(store, scorer.start,
                      TrainerItems(released.items) if released is not None else None)
 

@@ -355,6 +355,10 @@ class RecordSettings(Section):
     fsync: bool = Field(
         True, description="fsync every record line, so an acknowledged turn survives power "
         "loss too (off: faster; a power cut may lose the last lines)")
+    extend_turns: bool = Field(
+        True, description="write a turn that continues its thread's last recorded turn as "
+        "only what is new (its extra prompt ids and messages) and a reference to that turn; "
+        "off: every turn line whole, as before (readers take both)")
     responses_store_mb: float = Field(
         256.0, gt=0, description="disk kept for stored Responses (previous_response_id, "
         "GET /v1/responses/{id}); the oldest go first")

@@ -267,13 +267,21 @@ def recorded(tmp_path_factory):
     return data
 
 
-def read_records(data_dir, name="conversations.jsonl") -> list[dict]:
+def read_records(data_dir, name="conversations.jsonl", raw: bool = False) -> list[dict]:
+    """Every line of a record file; turn lines (conversations.jsonl, pending_turns.jsonl)
+    whole, as the server's readers rebuild them (records.TurnLines), unless RAW."""
     import json
+
+    from rlproxy.records import TurnLines
 
     path = Path(data_dir) / name
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    if raw or name not in ("conversations.jsonl", "pending_turns.jsonl"):
+        return lines
+    turns = TurnLines(Path(data_dir) / "conversations.jsonl")
+    return [turns.full(line) for line in lines]
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ import pytest
 import requests
 
 from rlproxy.ops.served import free_port, server_env, wait_healthy
+from rlproxy.records import TurnLines
 
 SESSIONS = 6  # the even ones pause ("a long tool call") after a few turns; the odd ones don't
 KILL_AFTER = 20  # acknowledged turns, over all sessions, before the SIGKILL
@@ -154,6 +155,10 @@ def read_lines(path: Path) -> list[dict]:
             out.append(json.loads(line))
         except json.JSONDecodeError as e:
             raise AssertionError(f"{path.name} line {i + 1} does not parse ({e}): {line[:200]!r}")
+    if path.name in ("conversations.jsonl", "pending_turns.jsonl"):  # whole, as readers see them
+        turns = TurnLines(path.with_name("conversations.jsonl"))
+        out = [turns.full(r) if r.get("kind") == "turn" else r for r in out]
+        assert None not in out, f"{path.name}: a line names a turn that cannot be read"
     return out
 
 

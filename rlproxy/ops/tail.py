@@ -20,6 +20,7 @@ from typing import Callable
 import orjson
 
 from rlproxy.paths import CONVERSATIONS, PENDING, SCORES
+from rlproxy.records import TurnLines
 
 
 def short(text, limit: int = 80) -> str:
@@ -162,6 +163,7 @@ def tail(data_dir: Path, session: str | None = None, follow: bool = False,
     conversations, journal, scores_file = (Lines(Path(data_dir) / name)
                                            for name in (CONVERSATIONS, PENDING, SCORES))
     scores, recorded, shown = Scores(), {}, set()
+    turns = TurnLines(Path(data_dir) / CONVERSATIONS)  # a line may extend an earlier turn's
     pending: dict[str, dict] = {}  # journaled, not tombstoned, not recorded
 
     def mine(r: dict) -> bool:
@@ -169,13 +171,15 @@ def tail(data_dir: Path, session: str | None = None, follow: bool = False,
 
     def read() -> tuple[list[dict], list[str]]:
         changed = [uid for line in scores_file.new() if (uid := scores.add(line))]
-        new = [r for r in conversations.new() if r.get("kind", "turn") == "turn" and mine(r)]
+        new = [r for r in (turns.full(r) for r in conversations.new()
+                           if r.get("kind", "turn") == "turn" and mine(r)) if r is not None]
         for r in new:
             recorded[r["uid"]] = r
             pending.pop(r["uid"], None)
         for entry in journal.new():
-            if entry.get("kind") == "turn" and mine(entry) and entry["uid"] not in recorded:
-                pending[entry["uid"]] = entry
+            if entry.get("kind") == "turn" and mine(entry) and entry["uid"] not in recorded \
+                    and (full := turns.full(entry)) is not None:
+                pending[entry["uid"]] = full
             elif entry.get("kind") == "done":
                 pending.pop(entry.get("uid"), None)
         return new, changed

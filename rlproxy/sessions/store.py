@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Callable
 from rlproxy.lru import LRU
 from rlproxy.paths import CONVERSATIONS, PENDING
 from rlproxy.protocol import shown
-from rlproxy.records import JsonlWriter, all_written, compact_pending, load_pending, read_jsonl
+from rlproxy.records import (JsonlWriter, TurnLines, all_written, compact_pending,
+                             extending_line, load_pending, numbered_jsonl)
 from rlproxy.sessions import threads as rules
 from rlproxy.sessions.replay import ReplayCache
 from rlproxy.sessions.threads import prefix_hashes, turn_heads
@@ -47,6 +48,7 @@ if TYPE_CHECKING:  # the edge parses the headers (api/tags.py); the store only r
 log = logging.getLogger("rlproxy.sessions")
 
 MAX_OPEN_THREADS = 64  # per session; beyond it the least recently active idle one is closed
+KEEP_AGENTS = 64  # agents (system prompt and tools) whose last recorded turn a new thread extends
 KEEP_CLOSED_IDS = 65536  # closed sessions whose numbering a reopen continues (oldest forgotten)
 
 
@@ -69,13 +71,14 @@ class StoreStart:
             self.reopen.put(sid, (nxt, False))
 
 
-def live_journal(path: Path, recorded: set[str]) -> list[dict]:
+def live_journal(path: Path, recorded: set[str], lines: TurnLines) -> list[dict]:
     """The journal's turns still pending, in journal order, less those RECORDED since (a kill
     between a turn's record line and its tombstone leaves it in both files: the record wins);
-    the journal is compacted to them (its one rewrite: start-up only)."""
+    the journal is compacted to them (its one rewrite: start-up only), as written, and each is
+    rebuilt in full by LINES (an entry may extend a line of conversations.jsonl)."""
     pending = [e for e in load_pending(path) if e["uid"] not in recorded]
     compact_pending(path, pending)
-    return pending
+    return [full for full in map(lines.full, pending) if full is not None]
 
 
 def read_start(data_dir: Path) -> StoreStart:
@@ -83,10 +86,13 @@ def read_start(data_dir: Path) -> StoreStart:
     restart a bare store: tests/test_threads.py); the server reads each file once, in
     recovery.py, and passes it."""
     start, recorded = StoreStart(), set()
-    for record in read_jsonl(Path(data_dir) / CONVERSATIONS, report_cut=True):
-        recorded.add(record.get("uid"))
-        start.recorded(record)
-    start.pending = live_journal(Path(data_dir) / PENDING, recorded)
+    lines = TurnLines(Path(data_dir) / CONVERSATIONS)
+    for _, line in numbered_jsonl(lines.path, report_cut=True):
+        record = lines.full(line)
+        if record is not None:
+            recorded.add(record.get("uid"))
+            start.recorded(record)
+    start.pending = live_journal(Path(data_dir) / PENDING, recorded, lines)
     return start
 
 
@@ -102,10 +108,13 @@ class SessionStore:
                  on_closed: Callable[[str], None] | None = None,
                  keep_closed: int = 200, keep_responses: int = 1024,
                  max_open_sessions: int = 4096, train_sessions_matching: str | None = None,
-                 start: StoreStart | None = None):
+                 start: StoreStart | None = None, extend_turns: bool = True):
         """START: what recovery.py rebuilt from the records (the server always passes it); None
         reads it here with `read_start`, for a store built alone on DATA_DIR (tests only)."""
         self.data_dir = Path(data_dir)
+        self.extend_turns = extend_turns  # lines that extend the thread's last recorded turn
+        # (system prompt key, tools key) -> the last main turn recorded with them (_line)
+        self._agents: LRU[tuple[str, str], tuple[Turn, Future, int]] = LRU(KEEP_AGENTS)
         self.idle_timeout_s = idle_timeout_s
         self.max_open_sessions = max_open_sessions
         self.train_pattern = re.compile(train_sessions_matching) \
@@ -280,7 +289,8 @@ class SessionStore:
                 turn.end = "session_done"
                 own = self._finish(session, thread, turn)
             else:
-                own = self.journal.write_nowait({**turn.record(), "inferred": session.inferred})
+                line, _ = self._line(thread, turn.record())
+                own = self.journal.write_nowait({**line, "inferred": session.inferred})
                 thread.pending = turn
                 self._unindex(session, thread)
                 self._index(session, thread, turn)
@@ -314,7 +324,11 @@ class SessionStore:
     def _finish(self, session: Session, thread: Thread, turn: Turn) -> Future:
         """Record a turn whose next state is known (or never will be); the future of its line."""
         record = turn.record()
-        written = self.conversations.write_nowait(record)
+        line, depth = self._line(thread, record)
+        written = self.conversations.write_nowait(line)
+        if turn.turn_type == "main":  # the next turn of its thread (or agent) extends it
+            thread.recorded = (turn, written, depth)
+            self._agents.put((thread.system, thread.tools), thread.recorded)
         if thread.pending is turn:
             thread.pending = None
             # The tombstone goes out only once the record line is on disk: a crash in between
@@ -325,6 +339,22 @@ class SessionStore:
         if turn.trainable:
             self.on_trainable(record)
         return written
+
+    def _line(self, thread: Thread, record: dict) -> tuple[dict, int]:
+        """RECORD as its line, and the line's depth: extending the thread's last recorded main
+        turn once that turn's line is on disk (records.py `extending_line`), or for a thread's
+        first turn the last one recorded with the same system prompt and tools (a new session
+        of the same agent shares its long head); else whole."""
+        parent, at, depth = thread.recorded or self._agents.peek((thread.system, thread.tools),
+                                                                 (None, None, 0))
+        if not self.extend_turns or parent is None or at is None or not at.done() or at.cancelled() \
+                or at.exception() is not None \
+                or parent.uid == record["uid"]:
+            return record, 0
+        line = extending_line(record, {"uid": parent.uid, "prompt_ids": parent.prompt_ids,
+                                       "messages": parent.messages, "tools": parent.tools},
+                              at.result(), depth)
+        return (record, 0) if line is None else (line, line["extends"]["depth"])
 
     def _journal_done(self, uid: str) -> None:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 
 from rlproxy.sessions import threads as rules
@@ -87,6 +88,10 @@ class Thread:
     heads: set[str] = field(default_factory=set)  # prefix hashes that continue it
     closed: str | None = None  # compacted | evicted | the session's closing reason
     compacts: str | None = None  # the thread whose history its first request summarized
+    # its last main turn recorded in conversations.jsonl, the future of that line (its byte
+    # offset once on disk) and how many lines it is from a whole one: the next turn's lines
+    # extend it (records.py `extending_line`)
+    recorded: tuple[Turn, Future, int] | None = None
 
     def summary(self) -> dict:
         return {"id": self.id, "open": self.closed is None, "closed": self.closed,

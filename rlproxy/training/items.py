@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 from rlproxy.paths import CONVERSATIONS, SCORES
-from rlproxy.records import numbered_jsonl
+from rlproxy.records import numbered_jsonl, read_turns
 from rlproxy.scoring.judging import released_item
 from rlproxy.training.journal import item_choice, item_key, quarantined_uids
 
@@ -46,7 +46,7 @@ def released_turns(data_dir: Path, w_opd: float, w_rl: float,
             releases.setdefault(line["uid"], {})[line.get("key") or line["uid"]] = line
     out = []
     path = Path(data_dir) / CONVERSATIONS
-    for number, turn in numbered_jsonl(path, report_cut=True):
+    for number, turn in read_turns(path, report_cut=True):  # whole, whichever form
         uid = turn.get("uid")
         for key, release in (releases.get(uid, {}) if isinstance(uid, str) else {}).items():
             if key in skip:

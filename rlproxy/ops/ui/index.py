@@ -20,6 +20,7 @@ from pathlib import Path
 import orjson
 
 from rlproxy.paths import CONVERSATIONS, SCORES, TRAINING
+from rlproxy.records import TurnLines, prompt_length
 
 
 @dataclass(slots=True)
@@ -71,6 +72,7 @@ class RecordIndex:
 
     def _clear(self) -> None:
         self.offsets: dict[str, int] = {}
+        self.turn_lines = TurnLines(self.data_dir / CONVERSATIONS)
         self.inodes: dict[str, int] = {}
         self.turns: dict[str, TurnEntry] = {}
         self.sessions: dict[str, SessionEntry] = {}
@@ -138,7 +140,7 @@ class RecordIndex:
             e = TurnEntry(r["uid"], r["session_id"], int(r.get("index", 0)), offset, length,
                           float(timings.get("received") or 0.0),
                           float(timings.get("first_token_s") or 0.0), r.get("turn_type", "main"),
-                          len(r.get("prompt_ids") or ()), len(choice.get("completion_ids") or ()))
+                          prompt_length(r), len(choice.get("completion_ids") or ()))
         except (KeyError, IndexError, TypeError, ValueError):
             return  # not a turn line this dashboard can show
         self.turns[e.uid] = e
@@ -204,6 +206,9 @@ class RecordIndex:
                 e = self.turns[uid]
                 record = self._line(CONVERSATIONS, e.offset, e.length)
                 if record is None or record.get("uid") != uid:
+                    continue
+                record = self.turn_lines.full(record)  # whole, from the turn it extends
+                if record is None:
                     continue
                 score = self.scores.get(uid)
                 record["score"] = self._line(SCORES, *score[:2]) if score else None
