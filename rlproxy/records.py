@@ -560,6 +560,9 @@ def load_pending(path: Path) -> list[dict]:
 def compact_pending(path: Path, live: list[dict]) -> None:
     """Rewrite the journal with only the live entries (start-up only; temp file + rename)."""
     path = Path(path)
+    if not live and not path.exists():  # nothing to compact (a fresh data dir, maybe not made)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         for entry in live:
