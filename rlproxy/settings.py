@@ -245,7 +245,7 @@ class ScoringSettings(Section):
         False, description="with n > 1, the judge scores every choice against the same next "
         "state (reward functions always score every choice)")
     judge_cut_turns: bool = Field(
-        False, description="judge a reply that ended at its completion budget (finish_reason "
+        True, description="judge a reply that ended at its completion budget (finish_reason "
         "length) like any other (off: the judge would grade half a reply, so such a turn "
         "trains only on feedback or a reward function's score)")
 

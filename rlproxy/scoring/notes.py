@@ -18,8 +18,9 @@ A next state made only of notes is no next state: the turn is `cut` ("agent_note
 is not asked; notes beside other messages are left out of what the judge reads, and the user
 request the judge is shown is the last user message that is no note. A reply that ended at its
 completion budget (finish_reason "length") is `cut` too ("length"): the judge would grade half a
-reply, so it is not asked unless --judge-cut-turns says so (DAPO's "overlong filtering": no
-gradient from a reply whose end was never seen). Either way explicit feedback and reward
+reply, so with --no-judge-cut-turns it is not asked (DAPO's "overlong filtering": no gradient
+from a reply whose end was never seen; the server's default still judges it until a learning
+curve on the real model says otherwise). Either way explicit feedback and reward
 functions still score the turn, so a rule of the operator's can still train it.
 
 Pure functions over templated messages and turn records; owns no state, writes nothing
