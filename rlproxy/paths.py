@@ -3,7 +3,8 @@
 Plain names relative to the data directory; callers join them (`data_dir / TRAINING`). Imports
 nothing of rlproxy and no MLX, so the CLI, the dashboard and the tests can name files cheaply.
 Also `default_data_dir`: one data directory per model when `--data-dir` is not given, and
-`lock_data_dir`: one process writing a data directory at a time (LOCK).
+`lock_data_dir`: one process writing a data directory at a time (LOCK), and `records_size`: the
+record files' bytes on disk.
 """
 
 import fcntl
@@ -37,6 +38,7 @@ HOME = Path.home() / ".rlproxy"  # the default data dirs, one per model: HOME/<m
 # Before per-model data dirs, HOME itself was the data dir; these at its top level say it holds
 # records or checkpoints (`default_data_dir` keeps it in use for the model they belong to).
 LEGACY_MARKS = (CONVERSATIONS, PENDING, SCORES, TRAINING, CHECKPOINTS)
+RECORD_FILES = (CONVERSATIONS, PENDING, SCORES, TRAINING, JOURNAL)  # what records_size counts
 DEFAULT_MODEL = "smollm2-135m-instruct"  # ModelSettings' default (what a legacy dir served)
 
 
@@ -94,6 +96,46 @@ def kept_checkpoint(root: Path, step: int) -> Path | None:
     """Checkpoint STEP under ROOT if it is complete now, else None."""
     path = Path(root) / f"step_{step:06d}"
     return path if complete(path) else None
+
+
+def records_size(data_dir: Path) -> dict:
+    """The bytes on disk of DATA_DIR's record files (/healthz `records`, /metrics, the
+    dashboard): the records only grow, so an operator needs to see how much they take. Each of
+    RECORD_FILES counts with its siblings `<name>*` (the `.corrupt-*` and `.torn-*` copies set
+    aside beside it, never deleted); `bytes` is their total, `checkpoints_bytes` the kept
+    checkpoints' (the prefix cache's is its own `disk_bytes`). One listing of the folder and a
+    stat per file, nothing read, so every scrape may call it; a missing file counts 0."""
+    files = dict.fromkeys(RECORD_FILES, 0)
+    try:
+        entries = list(os.scandir(data_dir))
+    except OSError:
+        entries = []
+    for entry in entries:
+        name = next((n for n in RECORD_FILES if entry.name.startswith(n)), None)
+        if name is not None:
+            files[name] += entry_size(entry)
+    return {"bytes": sum(files.values()), "files": files,
+            "checkpoints_bytes": tree_size(Path(data_dir) / CHECKPOINTS)}
+
+
+def entry_size(entry: os.DirEntry) -> int:
+    """A file's size; 0 for a folder, or a file gone since the folder was listed."""
+    try:
+        return entry.stat().st_size if entry.is_file() else 0
+    except OSError:
+        return 0
+
+
+def tree_size(root: Path) -> int:
+    """The bytes of every file under ROOT (0 if it is not there)."""
+    total = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass  # pruned while we walked
+    return total
 
 
 class DataDirInUse(RuntimeError):

@@ -18,7 +18,7 @@ import time
 
 from aiohttp import web
 
-from rlproxy import records
+from rlproxy import paths, records
 from rlproxy.ops.metrics import process_memory
 from rlproxy.appkeys import (
     ADMISSION, ENGINE, MODEL, RANKS, SCORER, SESSIONS, SETTINGS, STARTED, TINKER, TRAINER,
@@ -68,6 +68,8 @@ def health(app: web.Application, blas: str) -> tuple[dict, int]:
         "ranks": ({"size": app[RANKS].size, "error": app[RANKS].broken} if RANKS in app
                   else {"size": 1, "error": None}),
         "memory": process_memory(),  # this process's resident memory now, and its peak
+        # the record files' bytes on disk (they only grow), each and in all, and the checkpoints'
+        "records": paths.records_size(app[SETTINGS].records.data_dir),
     }
     return body, 200 if ok else 503
 

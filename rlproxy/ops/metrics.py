@@ -11,9 +11,9 @@ server per process); each app's registry exposes them beside its own live collec
 
 A leaf: imports no rlproxy module at run time but appkeys.py (by whose keys it reads the app's
 objects, the Tinker API's too; it imports none of them), ops/logs.py (the served adapter version
-its JSON lines carry) and records.py (the failed writes per file, process-wide), none of which
-imports a component, so any component may call into it. Owns no state of the loop, and nothing
-here touches MLX.
+its JSON lines carry), records.py (the failed writes per file, process-wide) and paths.py (the
+record files' sizes), none of which imports a component, so any component may call into it.
+Owns no state of the loop, and nothing here touches MLX.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from rlproxy import records
-from rlproxy.appkeys import ADMISSION, ENGINE, METRICS, MODEL, SCORER, SESSIONS, TINKER, TRAINER
+from rlproxy import paths, records
+from rlproxy.appkeys import (
+    ADMISSION, ENGINE, METRICS, MODEL, SCORER, SESSIONS, SETTINGS, TINKER, TRAINER,
+)
 from rlproxy.ops import logs
 
 recent_ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, seconds): the dashboard
@@ -251,6 +253,9 @@ class LiveCollector:
         yield errors
         yield gauge("rlproxy_disk_write_failing", "Record files whose last write failed",
                     len(records.failing()))
+        settings = app.get(SETTINGS)
+        if settings is not None:
+            yield from records_metrics(paths.records_size(settings.records.data_dir))
         rss = resident_bytes()
         if rss is not None:
             yield gauge("rlproxy_process_resident_memory_bytes", "Resident memory", rss)
@@ -275,6 +280,19 @@ def prefix_cache_metrics(c: dict):
     evicted.add_metric(["stale"], c["evicted_stale"])
     evicted.add_metric(["budget"], c["evicted_budget"])
     yield evicted
+
+
+def records_metrics(size: dict):
+    """From paths.records_size: the record files' bytes on disk, by file and in all."""
+    files = GaugeMetricFamily("rlproxy_records_bytes", "Bytes on disk of a record file (with "
+                              "its set-aside copies), by file", labels=["file"])
+    for name, n in size["files"].items():
+        files.add_metric([name], n)
+    yield files
+    yield gauge("rlproxy_records_total_bytes", "Bytes on disk of all the record files",
+                size["bytes"])
+    yield gauge("rlproxy_checkpoints_bytes", "Bytes on disk of the kept checkpoints",
+                size["checkpoints_bytes"])
 
 
 def tinker_metrics(t: dict):

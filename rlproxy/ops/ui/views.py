@@ -144,6 +144,7 @@ async def overview(request: web.Request) -> web.Response:
         "trainer": trainer_state(app),
         "prefix_cache": None if cache is None else {
             k: cache[k] for k in ("lookups", "hits", "misses", "disk_bytes", "memory_bytes")},
+        "records": paths.records_size(app[SETTINGS].records.data_dir),  # bytes on disk
         "today": index.today(), "steps": steps, "events": events, "evals": evals,
         "live": list(app[LIVE]),
     })

@@ -151,6 +151,22 @@ function counter(label, value) {
   return el("div", {class: "counter"}, el("b", {}, fmt(value, 2)), el("span", {}, label));
 }
 
+// Bytes as people read them, in powers of 1000: "512 B", "3.4 MB", "12 GB".
+function bytes(n) {
+  const units = ["B", "kB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1000 && i < units.length - 1) { n /= 1000; i++; }
+  return i ? `${n.toFixed(n < 10 ? 1 : 0)} ${units[i]}` : `${n} B`;
+}
+
+// The record files' bytes on disk (they only grow), each file's and the checkpoints' on hover.
+function recordsCounter(r) {
+  const each = Object.entries(r.files).map(([name, n]) => `${name}: ${bytes(n)}`);
+  each.push(`checkpoints: ${bytes(r.checkpoints_bytes)}`);
+  return el("div", {class: "counter", id: "records-size", title: each.join("\n")},
+    el("b", {}, bytes(r.bytes)), el("span", {}, "records on disk"));
+}
+
 const percent = (x) => x === null || x === undefined ? "" : ` (${Math.round(100 * x)}%)`;
 
 // The judge's health (/healthz's scoring.judge): its verdicts as a bar, what at-least-one
@@ -240,7 +256,7 @@ async function overview() {
       counter("turns scored", sc.scored), counter("released to training", sc.released),
       counter("waiting for a judge", sc.pending), counter("trainer step", tr.step ?? "off"),
       counter("released, not trained yet", tr.untrained ?? 0),
-      counter("adapter version", d.adapter_version)),
+      counter("adapter version", d.adapter_version), recordsCounter(d.records)),
     el("h2", {}, "Learning"),
     tr.waiting ? el("p", {class: "note", id: "trainer-waiting"}, tr.waiting) : null,
     el("div", {class: "grid"},
