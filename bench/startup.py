@@ -1,18 +1,22 @@
 """Start-up against the size of the history: time and peak memory to build the pipeline's parts
 (session store, scorer, trainer) from a data dir, in-process, through the real `build_pipeline`,
-for two checkouts side by side (by default the tree before issue 36's one-pass recovery,
-/work/pre36, and this one), on synthetic histories of 1k, 10k and 100k agent-length turns.
+on synthetic histories of 1k, 10k and 100k agent-length turns, each written twice: with whole
+turn lines, and with lines that extend the session's turn before (records.extending_line, what
+the store writes by default since issue 37). Checkouts can run side by side (--trees, e.g. the
+tree before issue 36's one-pass recovery on the whole form).
 
-The history (written once per size under --data-root, then reused): sessions of 20 main turns
-with explicit session ids; each turn a real `Turn.record()` line of --prompt-tokens prompt ids
-(4,000 by default: an agent's tool loop, not its 15k-token first turn, to keep 100k turns on
-disk), its messages as text (~3.5 characters a token), 10 tool schemas, 256 completion ids with
-log-probs. Every turn scored by the judge (3 votes), released (judging.release_lines), and
-trained in steps of 8 (training.jsonl and train_journal.jsonl) except the last 64 releases; one
-feedback line per 500 turns. The last 4 sessions are open: their negative turns held, their last
-2 turns unscored, one turn each pending in the journal, which also holds the last 1,000 turns
-with their tombstones (what a server leaves between two starts). Start-up compacts the journal,
-so a pristine copy is put back before each run; the other files are left as they were.
+The history (written once per size and form under --data-root, then reused): sessions of 20 main
+turns with explicit session ids; each turn a real `Turn.record()` line whose prompt grows as an
+agent's does (half of --prompt-tokens at the first turn, plus a twentieth of it and an assistant
+and tool message each turn: ~4,000 ids on average by default, an agent's tool loop rather than
+its 15k-token first turn, to keep 100k whole turns on disk), its messages as text (~3.5
+characters a token), 10 tool schemas, 256 completion ids with log-probs. Every turn scored by
+the judge (3 votes), released (judging.release_lines), and trained in steps of 8 (training.jsonl
+and train_journal.jsonl) except the last 64 releases; one feedback line per 500 turns. The last
+4 sessions are open: their negative turns held, their last 2 turns unscored, one turn each
+pending in the journal, which also holds the last 1,000 turns with their tombstones (what a
+server leaves between two starts). Start-up compacts the journal, so a pristine copy is put back
+before each run; the other files are left as they were. Both forms must give the same state.
 
 Each (checkout, size) runs in a fresh process (PYTHONPATH = the checkout): the tiny model and
 an engine are made first, then `build_pipeline` is timed. Figures: seconds, wall and CPU (the
@@ -26,7 +30,7 @@ checkout, while RSS does not see it); and how many times each record file was re
 with --no-resume: with no checkpoint to resume from, resume would retrain every recorded step.
 
     python bench/startup.py [--sizes 1000 10000 100000] [--prompt-tokens 4000]
-        [--trees before=/work/pre36 after=.] [--data-root /tmp/rlproxy-startup]
+        [--forms whole extend] [--trees this=.] [--data-root /tmp/rlproxy-startup]
         [--tracemalloc] [--out bench/results/startup.json]
 """
 
@@ -73,8 +77,11 @@ def tool_schemas(rng: random.Random) -> list[dict]:
             "required": ["path"]}}} for i in range(10)]
 
 
-def write_history(data: Path, turns: int, prompt_tokens: int, seed: int = 0) -> dict:
-    """Write DATA's record files for TURNS turns (the module docstring); what was written."""
+def write_history(data: Path, turns: int, prompt_tokens: int, extend: bool,
+                  seed: int = 0) -> dict:
+    """Write DATA's record files for TURNS turns (the module docstring), turn lines that extend
+    the turn before (EXTEND) or whole; what was written. The same turns either way."""
+    from rlproxy import records
     from rlproxy.records import dumps_line
     from rlproxy.scoring.judging import release_lines
     from rlproxy.sessions.turn import Turn
@@ -82,17 +89,24 @@ def write_history(data: Path, turns: int, prompt_tokens: int, seed: int = 0) -> 
     rng = random.Random(seed)
     data.mkdir(parents=True, exist_ok=True)
     tools = tool_schemas(rng)
-    variants = []  # a few prompts, shared by many turns: parsing costs the same
+    # A session's prompt grows turn by turn, as an agent's does: turn i's prompt is the first
+    # FIRST ids and 2 messages, plus GROW ids and an assistant/tool pair per turn before it
+    # (the average over a session's 20 turns is about PROMPT_TOKENS). A few such sessions are
+    # shared by many: parsing costs the same.
+    first, grow = prompt_tokens // 2, prompt_tokens // TURNS_PER_SESSION
+    chars = int(grow * 3.5)
+    variants = []
     for _ in range(8):
-        chars = int(prompt_tokens * 3.5)
+        messages = [{"role": "system", "content": text(rng, int(first * 3.5) * 3 // 4)},
+                    {"role": "user", "content": text(rng, int(first * 3.5) // 4)}]
+        for i in range(TURNS_PER_SESSION):
+            messages += [{"role": "assistant", "content": text(rng, chars // 4),
+                          "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
+                              "name": "tool_1", "arguments": json.dumps({"path": "a/b.py"})}}]},
+                         {"role": "tool", "tool_call_id": f"c{i}",
+                          "content": text(rng, chars * 3 // 4)}]
         variants.append((
-            [rng.randrange(VOCAB) for _ in range(prompt_tokens)],
-            [{"role": "system", "content": text(rng, chars // 2)},
-             {"role": "user", "content": text(rng, chars // 8)},
-             {"role": "assistant", "content": text(rng, chars // 8),
-              "tool_calls": [{"id": "c1", "type": "function", "function": {
-                  "name": "tool_1", "arguments": json.dumps({"path": "a/b.py"})}}]},
-             {"role": "tool", "tool_call_id": "c1", "content": text(rng, chars // 4)}],
+            [rng.randrange(VOCAB) for _ in range(first + grow * TURNS_PER_SESSION)], messages,
             [rng.randrange(VOCAB) for _ in range(COMPLETION_TOKENS)],
             [round(-rng.random() * 3, 6) for _ in range(COMPLETION_TOKENS)]))
     sessions, count = max(OPEN_SESSIONS + 1, turns // TURNS_PER_SESSION), TURNS_PER_SESSION
@@ -103,7 +117,8 @@ def write_history(data: Path, turns: int, prompt_tokens: int, seed: int = 0) -> 
             sid = f"agent-{s:06d}"
             is_open = s >= sessions - OPEN_SESSIONS
             for i in range(count):
-                ids, messages, completion, logprobs = variants[(s + i) % len(variants)]
+                ids, messages, completion, logprobs = variants[s % len(variants)]
+                ids, messages = ids[:first + grow * i], messages[:2 + 2 * i]
                 last = i == count - 1
                 turn = Turn(
                     uid=f"{sid}-{i:03d}", session_id=sid, index=i, turn_type="main",
@@ -121,13 +136,19 @@ def write_history(data: Path, turns: int, prompt_tokens: int, seed: int = 0) -> 
                     next_state_link="prefix", end="session_done" if last and not is_open
                     else None, thread=f"th-{sid}")
                 n += 1
-                if is_open and last:  # waiting for its next state: in the journal only
-                    journal.append({**turn.record(), "inferred": False})
-                    continue
                 record = turn.record()
-                files["conversations.jsonl"].write(dumps_line(record))
+                # as sessions/store.py writes it: extending the session's turn before, whose
+                # line starts at byte AT of conversations.jsonl (records.extending_line)
+                line = (records.extending_line(record, parent, at, depth)
+                        if extend and i > 0 else None) or record
+                if is_open and last:  # waiting for its next state: in the journal only
+                    journal.append({**line, "inferred": False})
+                    continue
+                f = files["conversations.jsonl"]
+                parent, at, depth = record, f.tell(), line.get("extends", {}).get("depth", 0)
+                f.write(dumps_line(line))
                 if n > turns - JOURNAL_WINDOW:
-                    journal += [{**record, "inferred": False}, {"kind": "done", "uid": turn.uid}]
+                    journal += [{**line, "inferred": False}, {"kind": "done", "uid": turn.uid}]
                 if is_open and i >= count - 3:
                     continue  # recorded, not scored yet
                 reward = 1.0 if rng.random() < 0.6 else -1.0
@@ -171,21 +192,22 @@ def write_history(data: Path, turns: int, prompt_tokens: int, seed: int = 0) -> 
         for f in files.values():
             f.close()
     shutil.copy(data / "pending_turns.jsonl", data / "pending_turns.pristine")
-    meta = {"turns": n, "prompt_tokens": prompt_tokens, "released": len(released),
+    meta = {"turns": n, "prompt_tokens": prompt_tokens, "form": "extend" if extend else "whole",
+            "released": len(released),
             "untrained": min(UNTRAINED, len(released)), "pending": OPEN_SESSIONS,
             "bytes": {name: (data / name).stat().st_size for name in FILES}}
     (data / "history.json").write_text(json.dumps(meta))
     return meta
 
 
-def history(root: Path, turns: int, prompt_tokens: int) -> tuple[Path, dict]:
-    data = root / f"turns-{turns}-tokens-{prompt_tokens}"
+def history(root: Path, turns: int, prompt_tokens: int, form: str) -> tuple[Path, dict]:
+    data = root / f"turns-{turns}-tokens-{prompt_tokens}-{form}"
     meta_path = data / "history.json"
     if meta_path.exists():
         return data, json.loads(meta_path.read_text())
     shutil.rmtree(data, ignore_errors=True)
     tic = time.perf_counter()
-    meta = write_history(data, turns, prompt_tokens)
+    meta = write_history(data, turns, prompt_tokens, extend=form == "extend")
     print(f"wrote {turns} turns to {data} in {time.perf_counter() - tic:.0f} s "
           f"({sum(meta['bytes'].values()) / 2**30:.2f} GiB)", flush=True)
     return data, meta
@@ -272,7 +294,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
     ap.add_argument("--prompt-tokens", type=int, default=4000)
-    ap.add_argument("--trees", nargs="+", default=["before=/work/pre36", f"after={HERE.parent}"],
+    ap.add_argument("--forms", nargs="+", choices=("whole", "extend"),
+                    default=["whole", "extend"],
+                    help="the history's turn lines: whole, or extending the turn before "
+                         "(--extend-turns, the default since issue 37); the same turns")
+    ap.add_argument("--trees", nargs="+", default=[f"this={HERE.parent}"],
                     help="LABEL=PATH checkouts to run, side by side; the first is the baseline")
     ap.add_argument("--data-root", type=Path, default=Path("/tmp/rlproxy-startup"))
     ap.add_argument("--tracemalloc", action="store_true",
@@ -291,30 +317,37 @@ def main() -> None:
     args.data_root.mkdir(parents=True, exist_ok=True)
     results = []
     for turns in args.sizes:
-        need = turns * args.prompt_tokens * 12  # about the bytes of the five files
-        free = shutil.disk_usage(args.data_root).free
-        if free < 2 * need:
-            raise SystemExit(f"{args.data_root}: {free / 2**30:.1f} GiB free, "
-                             f"{need / 2**30:.1f} GiB needed for {turns} turns")
-        data, meta = history(args.data_root, turns, args.prompt_tokens)
-        row = {"turns": turns, "history": meta}
-        for label, tree in trees.items():  # side by side, on the same files
-            row[label] = run(tree, data, traced=False)
-            if args.tracemalloc and turns <= args.tracemalloc_max:
-                row[label]["traced_peak_mb"] = run(tree, data, traced=True)["traced_peak_mb"]
-            r = row[label]
-            print(f"{turns:>7} turns {label:>14}: {r['seconds']:8.2f} s ({r['cpu_seconds']:.2f} s "
-                  f"CPU)  peak RSS "
-                  f"{r['peak_rss_mb']:7.1f} MB (+{r['rss_growth_mb']:.1f})"
-                  + (f"  traced {r['traced_peak_mb']:.1f} MB" if r["traced_peak_mb"] else "")
-                  + f"  reads {r['reads']}", flush=True)
-        base, *others = trees
-        for label in others:  # the same state from the same files, whichever checkout
-            assert row[label]["state"] == row[base]["state"], (label, row[label]["state"],
-                                                               row[base]["state"])
-            row[label]["speedup"] = {k: round(row[base][k] / row[label][k], 2)
-                                     for k in ("seconds", "cpu_seconds")}
-        results.append(row)
+        for form in args.forms:
+            need = turns * args.prompt_tokens * (12 if form == "whole" else 2)  # ~ the 5 files
+            free = shutil.disk_usage(args.data_root).free
+            if free < 2 * need:
+                raise SystemExit(f"{args.data_root}: {free / 2**30:.1f} GiB free, "
+                                 f"{need / 2**30:.1f} GiB needed for {turns} turns")
+            data, meta = history(args.data_root, turns, args.prompt_tokens, form)
+            row = {"turns": turns, "form": form, "history": meta}
+            for label, tree in trees.items():  # side by side, on the same files
+                row[label] = run(tree, data, traced=False)
+                if args.tracemalloc and turns <= args.tracemalloc_max:
+                    row[label]["traced_peak_mb"] = run(tree, data, traced=True)["traced_peak_mb"]
+                r = row[label]
+                print(f"{turns:>7} turns {form:>6} {label:>10}: {r['seconds']:8.2f} s "
+                      f"({r['cpu_seconds']:.2f} s CPU)  peak RSS {r['peak_rss_mb']:7.1f} MB "
+                      f"(+{r['rss_growth_mb']:.1f})"
+                      + (f"  traced {r['traced_peak_mb']:.1f} MB" if r["traced_peak_mb"] else "")
+                      + f"  {sum(meta['bytes'].values()) / 2**20:,.0f} MB of records"
+                      + f"  reads {r['reads']}", flush=True)
+            base, *others = trees
+            for label in others:  # the same state from the same files, whichever checkout
+                assert row[label]["state"] == row[base]["state"], (label, row[label]["state"],
+                                                                   row[base]["state"])
+                row[label]["speedup"] = {k: round(row[base][k] / row[label][k], 2)
+                                         for k in ("seconds", "cpu_seconds")}
+            results.append(row)
+        same = [r for r in results if r["turns"] == turns]
+        for r in same[1:]:  # the same traffic gives the same state, whichever form it is in
+            for label in trees:
+                assert r[label]["state"] == same[0][label]["state"], (
+                    turns, r["form"], r[label]["state"], same[0][label]["state"])
     out = {"load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
            "cpus": os.cpu_count(), "trees": {k: str(v) for k, v in trees.items()},
            "prompt_tokens": args.prompt_tokens, "results": results}

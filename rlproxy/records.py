@@ -39,7 +39,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Iterator
+from typing import Container, Iterator
 
 import orjson
 
@@ -450,12 +450,34 @@ class TurnLines:
     def __init__(self, conversations: Path, keep: int = 64):
         self.path = Path(conversations)
         self.recent: LRU[str, dict] = LRU(keep)  # uid -> its full record (main turns only)
+        self.lines: LRU[str, dict] = LRU(4 * keep)  # uid -> its line as read (`note`)
         self.missing = 0  # lines whose parent could not be read
 
     def full(self, line: dict) -> dict | None:
         """LINE as a full record (LINE itself when it is whole); None, with a WARNING naming
         both, when the turn it extends cannot be read (the line stays in its file)."""
         return self._full(line, 0)
+
+    def note(self, line: dict, seen: Container[str]) -> bool:
+        """LINE read in file order by a reader that needs only its other fields for now (start-up
+        recovery: rebuilding every prompt of a long history is most of its time): kept as it is,
+        to be rebuilt if a later line needs it (`full` of a line that extends it). False, with
+        `full`'s WARNING, when the turn it extends is neither in SEEN (the uids read before it)
+        nor readable back."""
+        ext = line.get("extends")
+        if isinstance(ext, dict) and ext.get("uid") not in seen and (
+                self._parent(ext, 0) is None):
+            self._report(line, ext)
+            return False
+        if line.get("turn_type") == "main" and isinstance(line.get("uid"), str):
+            self.lines.put(line["uid"], line)
+        return True
+
+    def _report(self, line: dict, ext: dict) -> None:
+        self.missing += 1
+        log.warning("%s: turn %.40s extends turn %.40s (at byte %s), which cannot be read; it "
+                    "is skipped, and its line kept", self.path, line.get("uid"), ext.get("uid"),
+                    ext.get("at"))
 
     def _full(self, line: dict, hops: int) -> dict | None:
         ext = line.get("extends")
@@ -464,10 +486,7 @@ class TurnLines:
         else:
             parent = self._parent(ext, hops)
             if parent is None:
-                self.missing += 1
-                log.warning("%s: turn %.40s extends turn %.40s (at byte %s), which cannot be "
-                            "read; it is skipped, and its line kept", self.path, line.get("uid"),
-                            ext.get("uid"), ext.get("at"))
+                self._report(line, ext)
                 return None
             record = {k: v for k, v in line.items()
                       if k not in ("extends", "prompt_ids_tail", "messages_tail")}
@@ -487,6 +506,9 @@ class TurnLines:
         found = self.recent.get(uid)
         if found is not None or hops >= MAX_DEPTH:
             return found
+        noted = self.lines.peek(uid)
+        if noted is not None:
+            return self._full(noted, hops + 1)
         try:
             with open(self.path, "rb") as f:
                 f.seek(at)

@@ -94,14 +94,20 @@ def recover(data_dir: Path, settings: Settings, handled: Container[str] | None =
     path = data_dir / CONVERSATIONS
     turns = TurnLines(path)  # whole records from lines that extend an earlier turn
     for number, line in numbered_jsonl(path, report_cut=True):
-        record = turns.full(line)
-        if record is None:  # its parent cannot be read: warned, its line kept
+        # A turn is rebuilt whole only if the scorer or the trainer takes it (most of a long
+        # history is scored, released and trained: its session and index are all it gives)
+        if not turns.note(line, recorded):  # its parent cannot be read: warned, its line kept
             continue
-        recorded.add(record.get("uid"))
-        store.recorded(record)
-        scorer.turn(record)
-        if released is not None:
-            released.turn(number, record, path)
+        uid = line.get("uid")
+        recorded.add(uid)
+        store.recorded(line)
+        if scorer.wants(line) or (released is not None and released.wants(uid)):
+            record = turns.full(line)
+            if record is None:
+                continue
+            scorer.turn(record)
+            if released is not None:
+                released.turn(number, record, path)
     store.pending = live_journal(data_dir / PENDING, recorded, turns)
     return Recovered(store, scorer.start,
                      TrainerItems(released.items) if released is not None else None)
@@ -159,6 +165,13 @@ class ScorerReplay:
         start.feedback.max_items = KEEP_FEEDBACK
         self.feedback = {}
 
+    def wants(self, line: dict) -> bool:
+        """Whether `turn` keeps anything of LINE's turn (from its fields that are not its
+        prompt: a line that extends another has them all)."""
+        uid = line.get("uid")
+        return bool(line.get("trainable") and uid not in self.scored) or (
+            uid in self.held or uid in self.recent)
+
     def turn(self, record: dict) -> None:
         start, uid = self.start, record.get("uid")
         if record.get("trainable") and uid not in self.scored:
@@ -199,6 +212,10 @@ class Released:
     def scores_read(self) -> None:
         """Keep only the score lines of the releases still to train."""
         self.scores = {u: self.scores[u] for u in self.releases if u in self.scores}
+
+    def wants(self, uid) -> bool:
+        """Whether the turn UID has a release still to train."""
+        return isinstance(uid, str) and uid in self.releases
 
     def turn(self, number: int, record: dict, path: Path) -> None:
         uid = record.get("uid")
