@@ -45,6 +45,10 @@ def test_the_first_screen_has_setup_serve_request_and_ci_test_command():
     assert "python3 -m venv" in text  # the hint for a system Python that refuses pip
 
 
+PIP_SOURCES = {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CERT",
+               "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT", "PIP_CACHE_DIR"}
+
+
 def fresh_venv(tmp_path: Path) -> Path:
     """A new virtual environment with pip: the standard library's, or virtualenv's where the
     system Python has no ensurepip (Debian without python3-venv)."""
@@ -68,12 +72,21 @@ def test_the_first_screen_serves_its_answer_from_a_fresh_venv(tmp_path):
     venv, home, log = fresh_venv(tmp_path), tmp_path / "home", tmp_path / "serve.log"
     home.mkdir()
     port = free_port()
+    # pip's settings for where packages come from stay (a machine's index, wheelhouse, CA); the
+    # rest of PIP_* (--user, --target, ...) would not be a new user's
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RLPROXY_", "VIRTUAL_ENV", "PYTHON", "PIP_"))}
+           if not k.startswith(("RLPROXY_", "VIRTUAL_ENV", "PYTHON", "PIP_")) or k in PIP_SOURCES}
     env.update(PATH=f"{venv / 'bin'}:{env['PATH']}", HOME=str(home), PYTHONUNBUFFERED="1",
                PIP_DISABLE_PIP_VERSION_CHECK="1",
+               PIP_NO_COMPILE="1",  # no .pyc made for every file of every package at install:
+                                    # Python compiles what it imports
                RLPROXY_PORT=str(port),  # the README's 8000 may be taken on a test machine
-               RLPROXY_CACHE_DIR=str(model_cache_dir().parent))  # SmolLM2, fetched once
+               RLPROXY_CACHE_DIR=str(model_cache_dir().parent),  # SmolLM2, fetched once
+               # this machine's wheels, as a user who has used pip before has: the install is
+               # still resolved against the index and into the fresh venv, without downloading
+               # mlx, transformers and the rest again on every run (minutes of the suite)
+               PIP_CACHE_DIR=os.environ.get("PIP_CACHE_DIR") or str(
+                   Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pip"))
     with open(log, "wb") as out:
         proc = subprocess.Popen(["bash", "-c", serve_line], cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
