@@ -422,7 +422,11 @@ def test_yaml_lines_connect_does_not_touch_keep_their_bytes(text, home, server):
     removed = [ln[2:] for ln in difflib.ndiff(text.splitlines(), new.splitlines())
                if ln.startswith("- ")]
     assert removed == [ln for ln in text.splitlines()[1:3]], removed  # model's two lines only
-    assert new.split("toolsets:")[1] == text.split("toolsets:")[1]
+    # past `model`, only the stale-stream line is added to the user's own `agent` section
+    rest = new.split("toolsets:")[1].splitlines(keepends=True)
+    added = [ln for ln in rest if "local_stream_stale_timeout" in ln]
+    assert len(added) == 1 and added[0].strip() == "local_stream_stale_timeout: 3600"
+    assert "".join(ln for ln in rest if ln not in added) == text.split("toolsets:")[1]
 
 
 # ---- the completion budget (issue 41): an eighth of the window, at most 8,192, within a cap ----
@@ -468,7 +472,11 @@ def test_connect_hermes_keeps_within_the_servers_max_completion_tokens(home, cap
     card = requests.get(capped.base_url + "/models").json()["data"][0]
     assert card["max_completion_tokens"] == 512
     assert main(["connect", "hermes", "--url", capped.url]) == 0
-    model = YAML(typ="safe").load((home / ".hermes/config.yaml").read_text())["model"]
+    doc = YAML(typ="safe").load((home / ".hermes/config.yaml").read_text())
+    model = doc["model"]
     assert model["max_tokens"] == 512 and model["provider"] == "custom"
+    # a cold agent-length prefill on a CPU outlasts Hermes' 900-s stale-stream guard (it then
+    # sends the request again): connect gives it an hour
+    assert doc["agent"]["local_stream_stale_timeout"] == 3600
     out = capsys.readouterr().out
     assert "completion budget: 512 tokens" in out and "caps those retries" not in out

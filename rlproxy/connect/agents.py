@@ -137,6 +137,17 @@ def hermes(doc, t: Target) -> None:
     model["api_key"] = t.api_key
     if t.budget:
         model["max_tokens"] = t.budget
+    # Hermes gives up on a local stream silent for 900 s and sends the request again; a CPU
+    # prefills its first ~15k-token prompt in longer than that (26 minutes for SmolLM2 on 2 busy
+    # cores, docs/agents.md). A larger value the user set stays.
+    agent = table(doc, "agent", "yaml")
+    if not (isinstance(agent.get(HERMES_STALE_KEY), (int, float))
+            and agent[HERMES_STALE_KEY] >= HERMES_STALE_S):
+        agent[HERMES_STALE_KEY] = HERMES_STALE_S
+
+
+# hermes-agent 0.19 agent/chat_completion_helpers.py: `agent.local_stream_stale_timeout`
+HERMES_STALE_KEY, HERMES_STALE_S = "local_stream_stale_timeout", 3600
 
 
 @dataclass(frozen=True)
