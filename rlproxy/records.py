@@ -450,7 +450,7 @@ class TurnLines:
     def __init__(self, conversations: Path, keep: int = 64):
         self.path = Path(conversations)
         self.recent: LRU[str, dict] = LRU(keep)  # uid -> its full record (main turns only)
-        self.lines: LRU[str, dict] = LRU(4 * keep)  # uid -> its line as read (`note`)
+        self.lines: LRU[str, dict] = LRU(keep)  # uid -> its line as read (`note`)
         self.missing = 0  # lines whose parent could not be read
 
     def full(self, line: dict) -> dict | None:
