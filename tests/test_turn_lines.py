@@ -156,6 +156,35 @@ def train_from(data: Path, out: Path) -> tuple[list[dict], dict]:
     return read_records(out, "training.jsonl"), mx.load(str(ckpt / "adapters.safetensors"))
 
 
+def test_start_up_notes_lines_and_rebuilds_on_demand_what_full_lines_give(both, tmp_path,
+                                                                         caplog):
+    """What start-up recovery does (`TurnLines.note`: keep each line as read, rebuild it only if
+    asked): a line whose parent was not read before it is reported and left out, as `full`
+    does; every line kept rebuilds, on demand and in any order, exactly as reading the file
+    whole in order does."""
+    source = both["on"] / CONVERSATIONS
+    reference = {r["uid"]: r for r in map(TurnLines(source).full, read_jsonl(source))}
+    noted, seen = TurnLines(source), set()
+    lines = list(read_jsonl(source))
+    assert all(noted.note(line, seen) and not seen.add(line["uid"]) for line in lines)
+    assert sum("extends" in line for line in lines) >= 4  # chains to walk, not whole lines
+    for line in reversed(lines):  # last first: each rebuilt from noted lines, not in order
+        rebuilt = noted.full(line)
+        for k in ("prompt_ids", "messages", "tools"):
+            assert rebuilt[k] == reference[line["uid"]][k], (line["uid"], k)
+
+    path = tmp_path / CONVERSATIONS  # the first turn's line lost
+    path.write_bytes(b"".join(source.read_bytes().splitlines(keepends=True)[1:]))
+    cut, seen = TurnLines(path), set()
+    with caplog.at_level("WARNING"):
+        kept = [line for line in read_jsonl(path)
+                if cut.note(line, seen) and not seen.add(line["uid"])]
+    assert cut.missing >= 1 and "cannot be read" in caplog.text
+    assert len(kept) < len(lines) - 1  # the lost turn's chain is left out, as `full` leaves it
+    for line in kept:
+        assert cut.full(line)["prompt_ids"] == reference[line["uid"]]["prompt_ids"]
+
+
 def test_train_from_writes_the_same_adapter_bit_for_bit_from_either_form(both, tmp_path):
     """`rlproxy train --from` on the extending form's records and on the same records written
     whole (every line rebuilt and written in full: the only difference is the form) takes the
