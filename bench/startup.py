@@ -231,6 +231,15 @@ def child(data: Path, traced: bool) -> dict:
         return whole(path, *args, **kw)
 
     records.numbered_jsonl = counted  # before the modules that import it by name
+    if hasattr(records, "indexed_lines"):  # conversations.jsonl, through its index
+        through_index = records.indexed_lines
+
+        def counted_index(path, *args, **kw):
+            name = Path(path).name + " (indexed)"
+            reads[name] = reads.get(name, 0) + 1
+            return through_index(path, *args, **kw)
+
+        records.indexed_lines = counted_index
     from rlproxy.pipeline import build_pipeline
     from rlproxy.training.loop import Trainer
 
@@ -263,7 +272,7 @@ def child(data: Path, traced: bool) -> dict:
     return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3), "peak_rss_mb": round(peak, 1),
             "rss_before_mb": round(rss_before, 1), "rss_growth_mb": round(peak - rss_before, 1),
             "traced_peak_mb": None if traced_peak is None else round(traced_peak, 1),
-            "reads": {name: reads.get(name, 0) for name in FILES}, "state": state,
+            "reads": {name: n for name, n in reads.items() if n}, "state": state,
             "rlproxy": str(Path(rlproxy.__file__).parent)}
 
 
@@ -274,8 +283,13 @@ def rss_mb() -> float:
     return 0.0
 
 
-def run(tree: Path, data: Path, traced: bool) -> dict:
+def run(tree: Path, data: Path, traced: bool, indexed: bool = True) -> dict:
+    """One start-up of TREE on DATA. INDEXED: with conversations.jsonl's index as the run
+    before left it (a server writes it as it runs; records.py); else without one, as a data dir
+    from before issue 37's index is found (the start reads every line, and writes the index)."""
     shutil.copy(data / "pending_turns.pristine", data / "pending_turns.jsonl")
+    if not indexed:
+        (data / "conversations.jsonl.index").unlink(missing_ok=True)
     before = {name: (data / name).stat().st_size for name in FILES if name != FILES[2]}
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(data)]
@@ -304,6 +318,9 @@ def main() -> None:
     ap.add_argument("--tracemalloc", action="store_true",
                     help="a second run per size with tracemalloc (slow)")
     ap.add_argument("--tracemalloc-max", type=int, default=10000)
+    ap.add_argument("--first-start", action="store_true",
+                    help="also a start without conversations.jsonl's index (a data dir from "
+                         "before it), measured before the indexed one")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "startup.json")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
@@ -326,6 +343,12 @@ def main() -> None:
             data, meta = history(args.data_root, turns, args.prompt_tokens, form)
             row = {"turns": turns, "form": form, "history": meta}
             for label, tree in trees.items():  # side by side, on the same files
+                if args.first_start:  # without the index; it leaves one for the run below
+                    row[label + " first"] = first = run(tree, data, False, indexed=False)
+                    print(f"{turns:>7} turns {form:>6} {label + ' first':>10}: "
+                          f"{first['seconds']:8.2f} s ({first['cpu_seconds']:.2f} s CPU)  "
+                          f"peak RSS {first['peak_rss_mb']:7.1f} MB  reads {first['reads']}",
+                          flush=True)
                 row[label] = run(tree, data, traced=False)
                 if args.tracemalloc and turns <= args.tracemalloc_max:
                     row[label]["traced_peak_mb"] = run(tree, data, traced=True)["traced_peak_mb"]

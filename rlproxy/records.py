@@ -24,6 +24,13 @@ may see a line being appended) and a line that does not parse or is not a JSON o
 one WARNING naming the file and the byte offset; nothing else. `set_aside` renames a file or
 folder that cannot be read at start to `<name>.corrupt-<time>` (never deleted), with one WARNING.
 
+A writer made with `index=` (conversations.jsonl's) also appends, after each batch is on disk,
+a short entry per line to `<name>.index` beside it: the fields start-up needs of a turn line
+(`INDEX_FIELDS`), its byte offset and length. The index is derived and never fsynced; the JSONL
+stays the truth. `indexed_lines` reads a file through it (start-up: a long history's prompts and
+log-probs are most of its bytes, and recovery wants a few of its lines whole), checking it
+against the file and reading past its end, and brings it up to date.
+
 The pending-turn journal (`pending_turns.jsonl`) is the one internal file: turns whose response
 completed but whose next state is not known yet. It holds "turn" entries and "done" tombstones
 and is compacted (rewritten to a temp file + renamed) only at start-up.
@@ -52,6 +59,21 @@ DISK_FULL = (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
 # The one fault-injection seam (tests only): tests/test_hostile_disk.py replaces it with a write
 # that raises OSError(ENOSPC) where it cannot mount a small tmpfs.
 os_write = os.write
+
+
+# what `indexed_lines` yields of an indexed turn line: the fields start-up recovery reads of
+# every line (recovery.py: TurnLines.note, StoreStart.recorded, ScorerReplay.wants), with the
+# line's byte offset and length (AT, LENGTH) to read it whole (`whole_line`)
+INDEX_FIELDS = ("uid", "session_id", "index", "turn_type", "trainable", "extends")
+AT, LENGTH = "line_at", "line_bytes"
+
+
+def index_path(path: Path) -> Path:
+    return Path(path).with_name(Path(path).name + ".index")
+
+
+def index_entry(record: dict) -> dict:
+    return {k: record[k] for k in INDEX_FIELDS if k in record}
 
 
 class WriteFailed(OSError):
@@ -136,12 +158,16 @@ def dumps_line(record: dict) -> bytes:
 class JsonlWriter:
     """Appends whole lines to one file; safe to call from any thread."""
 
-    def __init__(self, path: Path, fsync: bool = True, stamp: dict | None = None):
+    def __init__(self, path: Path, fsync: bool = True, stamp: dict | None = None,
+                 index: bool = False):
         self.path = Path(path)
         self.stamp = stamp or {}  # fields every line carries (e.g. the trainer's backend)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync = fsync
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # INDEX: the `<name>.index` entries of each line written (-1: none, or given up)
+        self._index_fd = os.open(index_path(self.path), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                                 0o644) if index else -1
         self._torn = False  # the file ends mid-line: the next batch starts on a new line
         try:
             self._set_aside_torn_tail()
@@ -150,9 +176,9 @@ class JsonlWriter:
                       "newline, and readers skip it", self.path, e)
             self._torn = True
         self._cond = threading.Condition()
-        # (line, ours, the caller's): `ours` is never handed out, so a caller cancelling its
-        # future cannot make flushed() report a line written that is not
-        self._queue: list[tuple[bytes, Future, Future]] = []
+        # (line, ours, the caller's, its index entry): `ours` is never handed out, so a caller
+        # cancelling its future cannot make flushed() report a line written that is not
+        self._queue: list[tuple[bytes, Future, Future, dict | None]] = []
         self._inflight: list[Future] = []  # ours, of the batch being written
         self._closing = False
         self._thread: threading.Thread | None = None  # started by the first line
@@ -198,6 +224,7 @@ class JsonlWriter:
         with the byte offset its line starts at (what a line that extends it names).
         Serialized here, so a record that cannot be written raises in its caller."""
         line, ours, done = dumps_line({**record, **self.stamp}), Future(), Future()
+        entry = index_entry(record) if self._index_fd >= 0 else None
         with self._cond:
             if self._closing:
                 raise RuntimeError(f"{self.path.name}: the writer is closed")
@@ -205,14 +232,14 @@ class JsonlWriter:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name=f"records-{self.path.name}")
                 self._thread.start()
-            self._queue.append((line, ours, done))
+            self._queue.append((line, ours, done, entry))
             self._cond.notify()
         return done
 
     def flushed(self) -> Future:
         """Done once every line queued so far is on disk; failed if any of them failed."""
         with self._cond:
-            unwritten = self._inflight + [ours for _, ours, _ in self._queue]
+            unwritten = self._inflight + [ours for _, ours, _, _ in self._queue]
         return all_written(*unwritten)
 
     def write(self, record: dict) -> None:
@@ -234,6 +261,9 @@ class JsonlWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._index_fd >= 0:
+            os.close(self._index_fd)
+            self._index_fd = -1
 
     # ---- the writer thread ----
 
@@ -243,13 +273,15 @@ class JsonlWriter:
                 while not self._queue and not self._closing:
                     self._cond.wait()
                 batch, self._queue = self._queue, []
-                self._inflight = [ours for _, ours, _ in batch]
+                self._inflight = [ours for _, ours, _, _ in batch]
             if not batch:
                 return  # closing, and everything queued is written
             # a line whose waiter went away (cancelled) is written all the same
-            running = [done.set_running_or_notify_cancel() for _, _, done in batch]
-            error, at = self._commit(b"".join(line for line, _, _ in batch))
-            for (line, ours, done), waits in zip(batch, running):
+            running = [done.set_running_or_notify_cancel() for _, _, done, _ in batch]
+            error, at = self._commit(b"".join(line for line, _, _, _ in batch))
+            if error is None and self._index_fd >= 0:  # before the waiters hear of it
+                self._index(at, batch)
+            for (line, ours, done, _), waits in zip(batch, running):
                 for future in (ours, done) if waits else (ours,):
                     if error is None:
                         future.set_result(at)  # the byte offset where its line starts
@@ -258,6 +290,26 @@ class JsonlWriter:
                 at += len(line)
             with self._cond:
                 self._inflight = []
+
+    def _index(self, at: int, batch: list) -> None:
+        """Append the index entries of BATCH, whose first line starts at byte AT (not fsynced:
+        start-up checks the index against the file and reads what it lacks). A write that
+        fails stops the index for this run, as a gap would make every entry after it useless;
+        the next start-up brings it up to date."""
+        entries = []
+        for line, _, _, entry in batch:
+            if entry is not None:
+                entries.append(orjson.dumps({**entry, AT: at, LENGTH: len(line)}) + b"\n")
+            at += len(line)
+        try:
+            view = memoryview(b"".join(entries))
+            while view:
+                view = view[os_write(self._index_fd, view):]
+        except OSError as e:
+            log.warning("%s: writing its index failed (%s); start-up reads the lines it lacks "
+                        "and brings it up to date", self.path, e)
+            os.close(self._index_fd)
+            self._index_fd = -1
 
     def _commit(self, data: bytes) -> tuple[OSError | None, int]:
         """One write of whole lines, then one fsync: the group commit; (None, the byte offset
@@ -355,12 +407,20 @@ def read_jsonl(path: Path, report_cut: bool = False) -> Iterator[dict]:
 
 def numbered_jsonl(path: Path, report_cut: bool = False) -> Iterator[tuple[int, dict]]:
     """`read_jsonl` with each object's line number, for readers that warn of a line in turn."""
-    path = Path(path)
+    for number, _, _, record in _lines(Path(path), report_cut):
+        yield number, record
+
+
+def _lines(path: Path, report_cut: bool, start: int = 0,
+           number: int = 1) -> Iterator[tuple[int, int, int, dict]]:
+    """(line number, byte offset, length, object) of each line of PATH from byte START (line
+    NUMBER), as `numbered_jsonl` reads them."""
     if not path.exists():
         return
-    offset = 0
+    offset = start
     with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
+        f.seek(start)
+        for number, line in enumerate(f, number):
             at, offset = offset, offset + len(line)
             if not line.endswith(b"\n"):
                 if report_cut:
@@ -375,9 +435,81 @@ def numbered_jsonl(path: Path, report_cut: bool = False) -> Iterator[tuple[int, 
                     _warn_once(path, at, line, f"line {number} is not JSON ({e})")
                 continue
             if isinstance(record, dict):
-                yield number, record
+                yield number, at, len(line), record
             else:
                 _warn_once(path, at, line, f"line {number} is not a JSON object")
+
+
+def indexed_lines(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, line) of each line of PATH as `numbered_jsonl(path, report_cut=True)`
+    yields them, but through PATH's index where it covers the file: an indexed line comes as
+    its index entry (INDEX_FIELDS as far as the line has them, AT, LENGTH: `whole_line` reads
+    it whole), a line past the index's end as read. The index is trusted as far as its entries
+    are whole and tile the file from its first byte (each starts where the one before ends),
+    and only if the last of those names the line the file holds there; once the lines are all
+    read, the index is cut to what was trusted and the entries of the lines read are appended
+    (up to a line that is not a JSON object: lines past one are read whole at every start)."""
+    path = Path(path)
+    ipath, size = index_path(path), path.stat().st_size if path.exists() else 0
+    count, covered, kept, last = _trusted(ipath, size)
+    if last is not None and whole_line(path, last) is None:  # not this file's index
+        count = covered = kept = 0
+    number = 0
+    if count:
+        with open(ipath, "rb") as f:
+            for number, raw in zip(range(1, count + 1), f):
+                yield number, orjson.loads(raw)
+    entries = []
+    for number, at, n, line in _lines(path, True, covered, number + 1):
+        if at == covered:
+            entries.append(orjson.dumps({**index_entry(line), AT: at, LENGTH: n}) + b"\n")
+            covered += n
+        yield number, line
+    indexed = ipath.stat().st_size if ipath.exists() else 0
+    if kept == indexed and not entries:
+        return
+    try:
+        with open(ipath, "ab") as f:
+            f.truncate(kept)
+            f.write(b"".join(entries))
+    except OSError as e:
+        log.warning("%s: could not bring it up to date (%s); the next start reads the lines "
+                    "it lacks again", ipath, e)
+
+
+def _trusted(ipath: Path, size: int) -> tuple[int, int, int, dict | None]:
+    """(entries, bytes of the file they cover, bytes of the index they take, the last entry)
+    of the index IPATH that tile a file of SIZE bytes from its start."""
+    count = covered = kept = 0
+    last = None
+    try:
+        f = open(ipath, "rb")
+    except OSError:
+        return 0, 0, 0, None
+    with f:
+        for raw in f:
+            try:
+                entry = orjson.loads(raw) if raw.endswith(b"\n") else None
+                at, n = entry[AT], entry[LENGTH]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                break
+            if at != covered or not isinstance(n, int) or n <= 0 or at + n > size:
+                break
+            count, covered, kept, last = count + 1, covered + n, kept + len(raw), entry
+    return count, covered, kept, last
+
+
+def whole_line(path: Path, entry: dict) -> dict | None:
+    """The line of PATH an index ENTRY (`indexed_lines`) stands for, read whole; None if the
+    file does not hold a line with its uid there."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(entry[AT])
+            raw = f.read(entry[LENGTH])
+        line = orjson.loads(raw) if raw.endswith(b"\n") else None
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    return line if isinstance(line, dict) and line.get("uid") == entry.get("uid") else None
 
 
 def _warn_once(path: Path, at: int, line: bytes, what: str) -> None:
@@ -469,7 +601,8 @@ class TurnLines:
                 self._parent(ext, 0) is None):
             self._report(line, ext)
             return False
-        if line.get("turn_type") == "main" and isinstance(line.get("uid"), str):
+        if line.get("turn_type") == "main" and isinstance(line.get("uid"), str) \
+                and AT not in line:  # an index entry: its line is read back by its offset
             self.lines.put(line["uid"], line)
         return True
 

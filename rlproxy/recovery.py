@@ -10,7 +10,9 @@ Which file rebuilds which state, in the order read:
 1. prm_scores.jsonl, once: `ScorerStart` (the ledger from score, release and feedback lines;
    the judge's counts; summaries; feedback for turns not scored yet), and which released
    choices the trainer has not handled yet (their release lines and score lines).
-2. conversations.jsonl, once: `StoreStart.reopen` (each session's next turn index) and the
+2. conversations.jsonl, once, through its index (records.py `indexed_lines`: the few fields of
+   each line, and past the index's end the lines themselves; a line is read whole only when a
+   part below takes it): `StoreStart.reopen` (each session's next turn index) and the
    uids recorded; `ScorerStart.unscored` (trainable turns without a score line, scored again),
    `.held` and `.recent` (packed turns); `TrainerItems.released` (the items of those choices).
 3. pending_turns.jsonl, once, then compacted (its one rewrite): `StoreStart.pending`, the turns
@@ -34,7 +36,7 @@ from typing import Container, Iterable, Iterator
 
 from rlproxy.lru import LRU
 from rlproxy.paths import CONVERSATIONS, PENDING, SCORES
-from rlproxy.records import TurnLines, numbered_jsonl
+from rlproxy.records import AT, TurnLines, indexed_lines, numbered_jsonl, whole_line
 from rlproxy.scoring.judging import final_reward, released_item
 from rlproxy.scoring.ledger import readable
 from rlproxy.scoring.scorer import (KEEP_FEEDBACK, KEEP_RECENT, KEEP_SCORED, RECENT_MB,
@@ -43,6 +45,7 @@ from rlproxy.sessions.store import StoreStart, live_journal
 from rlproxy.settings import ScoringSettings, Settings
 from rlproxy.training.restart import TrainerStart, read_start
 
+log = logging.getLogger("rlproxy.records")
 trainer_log = logging.getLogger("rlproxy.trainer")  # its items' warnings, as before
 # what a released item needs of its score line (scoring/judging.py: released_item)
 ITEM_NEEDS = ("chosen_choice", "teacher_logprobs", "other_choices")
@@ -93,7 +96,8 @@ def recover(data_dir: Path, settings: Settings, handled: Container[str] | None =
     store, recorded = StoreStart(), set()
     path = data_dir / CONVERSATIONS
     turns = TurnLines(path)  # whole records from lines that extend an earlier turn
-    for number, line in numbered_jsonl(path, report_cut=True):
+    # through its index (records.py): a line the index covers comes as its few fields
+    for number, line in indexed_lines(path):
         # A turn is rebuilt whole only if the scorer or the trainer takes it (most of a long
         # history is scored, released and trained: its session and index are all it gives)
         if not turns.note(line, recorded):  # its parent cannot be read: warned, its line kept
@@ -102,7 +106,11 @@ def recover(data_dir: Path, settings: Settings, handled: Container[str] | None =
         recorded.add(uid)
         store.recorded(line)
         if scorer.wants(line) or (released is not None and released.wants(uid)):
-            record = turns.full(line)
+            whole = whole_line(path, line) if AT in line else line
+            if whole is None:
+                log.warning("%s: line %d changed while it was read; skipped", path, number)
+                continue
+            record = turns.full(whole)
             if record is None:
                 continue
             scorer.turn(record)

@@ -46,7 +46,7 @@ def readable(lines: Iterable[dict], path: Path) -> Iterator[dict]:
     skipped with a WARNING naming the file and line."""
     for number, line in enumerate(lines, 1):
         needs = NEEDS.get(line.get("kind"), ()) if isinstance(line, dict) else None
-        if needs is None or any(k not in line for k in needs) or not isinstance(
+        if needs is None or not all(map(line.__contains__, needs)) or not isinstance(
                 line.get("uid", ""), str) or (line.get("kind") == "score"
                                               and not isinstance(line["index"], int)):
             log.warning("%s: entry %d is not a score, release or feedback line; skipped: "
@@ -164,7 +164,9 @@ class Ledger:
         """A `score` line read back: held until its `release` line is read too."""
         if uid in self.done:
             return
-        tally = self.tallies.setdefault(session_id, Tally())
+        tally = self.tallies.get(session_id)
+        if tally is None:  # (not setdefault: a Tally made per line read back)
+            tally = self.tallies[session_id] = Tally()
         self.session_of[uid] = session_id
         tally.scored[uid] = (index, reward)
         if liftable:

@@ -130,7 +130,8 @@ class SessionStore:
         start = read_start(self.data_dir) if start is None else start
         # closed sessions: (the index their next turn gets, inferred: a chain may reopen one)
         self._reopen = start.reopen
-        self.conversations = JsonlWriter(self.data_dir / CONVERSATIONS, fsync=fsync)
+        self.conversations = JsonlWriter(self.data_dir / CONVERSATIONS, fsync=fsync,
+                                         index=True)  # recovery.py reads it
         self.journal = JsonlWriter(self.data_dir / PENDING, fsync=fsync)
         for entry in start.pending:
             try:
