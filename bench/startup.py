@@ -29,7 +29,14 @@ checkout, while RSS does not see it); and how many times each record file was re
 (records.numbered_jsonl, which every reader goes through, counted per file). The trainer runs
 with --no-resume: with no checkpoint to resume from, resume would retrain every recorded step.
 
+Since conversations.jsonl's index (records.py: a short entry per line, written beside it as the
+server runs), a start reads the index and only the lines it needs whole; `--first-start` also
+measures a start without an index (a data dir from before it: that start reads every line and
+writes the index), before the indexed one. `--compact` also starts on a copy compacted by
+`rlproxy records compact` (closed, trained sessions moved to segments/; made once per tree).
+
     python bench/startup.py [--sizes 1000 10000 100000] [--prompt-tokens 4000]
+        [--first-start] [--compact]
         [--forms whole extend] [--trees this=.] [--data-root /tmp/rlproxy-startup]
         [--tracemalloc] [--out bench/results/startup.json]
 """
@@ -304,6 +311,27 @@ def run(tree: Path, data: Path, traced: bool, indexed: bool = True) -> dict:
     return result
 
 
+def compacted(tree: Path, data: Path) -> Path:
+    """A copy of DATA compacted by TREE's `rlproxy records compact` (made once, then reused)."""
+    out = data.with_name(f"{data.name}-compacted-{tree.name}")
+    if (out / "pending_turns.pristine").exists():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(data, out)
+    shutil.copy(out / "pending_turns.pristine", out / "pending_turns.jsonl")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    tic = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "rlproxy.cli", "records", "compact",
+                           "--data-dir", str(out), "--model", "tiny"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"compacting {out} failed:\n{done.stderr[-3000:]}")
+    print(f"compacted {out} in {time.perf_counter() - tic:.0f} s: {done.stdout.strip()}",
+          flush=True)
+    shutil.copy(out / "pending_turns.jsonl", out / "pending_turns.pristine")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000])
@@ -321,6 +349,8 @@ def main() -> None:
     ap.add_argument("--first-start", action="store_true",
                     help="also a start without conversations.jsonl's index (a data dir from "
                          "before it), measured before the indexed one")
+    ap.add_argument("--compact", action="store_true",
+                    help="also start on a copy compacted by `rlproxy records compact`")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "startup.json")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
@@ -350,6 +380,12 @@ def main() -> None:
                           f"peak RSS {first['peak_rss_mb']:7.1f} MB  reads {first['reads']}",
                           flush=True)
                 row[label] = run(tree, data, traced=False)
+                if args.compact:  # the same history after `rlproxy records compact`
+                    row[label + " compacted"] = c = run(tree, compacted(tree, data), False)
+                    print(f"{turns:>7} turns {form:>6} {label + ' compacted':>10}: "
+                          f"{c['seconds']:8.2f} s ({c['cpu_seconds']:.2f} s CPU)  peak RSS "
+                          f"{c['peak_rss_mb']:7.1f} MB (+{c['rss_growth_mb']:.1f})  state "
+                          f"{c['state']}", flush=True)
                 if args.tracemalloc and turns <= args.tracemalloc_max:
                     row[label]["traced_peak_mb"] = run(tree, data, traced=True)["traced_peak_mb"]
                 r = row[label]

@@ -16,7 +16,8 @@ from rlproxy.flags import SETTINGS_SOURCES, add_serve_flags, add_setting_flag, f
 from rlproxy.ops import progress
 from rlproxy.ops.logs import setup_logging
 from rlproxy.ops.ranks import launched_rank
-from rlproxy.paths import CHECKPOINTS, DataDirInUse, complete_checkpoints, lock_data_dir
+from rlproxy.paths import (CHECKPOINTS, CONVERSATIONS, DataDirInUse, complete_checkpoints,
+                           lock_data_dir)
 from rlproxy.settings import ModelSettings, load_settings
 
 log = logging.getLogger("rlproxy.server")
@@ -105,6 +106,28 @@ def records_tail(args: argparse.Namespace) -> int:
         tail(settings.records.data_dir, args.session, args.follow)
     except KeyboardInterrupt:
         pass
+    return 0
+
+
+def records_compact(args: argparse.Namespace) -> int:
+    from rlproxy.compaction import compact
+
+    settings = load_settings({"data_dir": args.data_dir, "model": args.model})
+    data_dir = settings.records.data_dir
+    if not (data_dir / CONVERSATIONS).exists():
+        print(f"rlproxy: no records to compact in {data_dir}", file=sys.stderr)
+        return 1
+    with data_dir_locked(data_dir):  # never under a server that writes them
+        with progress.phase("compacted the records"):
+            done = compact(data_dir, settings, args.keep_sessions)
+    if not done["turns"]:
+        print(f"nothing to compact in {data_dir}: every session is still open, not trained yet "
+              "or kept")
+        return 0
+    mb = {k: round(v / 2**20, 1) for k, v in done["before"].items()}
+    after = {k: round(v / 2**20, 1) for k, v in done["after"].items()}
+    print(f"moved {done['turns']} turns of {done['sessions']} closed, trained sessions to "
+          f"{done['segment']}; live files (MB) before {mb}, after {after}")
     return 0
 
 
@@ -284,6 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--follow", "-f", action="store_true", help="keep printing new turns")
     t.add_argument("--session", help="only this session id")
     t.set_defaults(func=records_tail)
+    c = rsub.add_parser("compact", help="move closed, trained sessions out of the files "
+                        "start-up reads into segments/ (which `rlproxy train --from` reads); "
+                        "the server must be stopped")
+    add_setting_flag(c, "data_dir", help="the server's --data-dir (default: "
+                     "~/.rlproxy/<model>/, the --model's)")
+    add_setting_flag(c, "model")
+    c.add_argument("--keep-sessions", metavar="REGEX",
+                   help="sessions whose id matches stay in the live files")
+    c.set_defaults(func=records_compact)
     st = sub.add_parser("status", help="one screen about a running server: model, adapter, "
                         "sessions, recent steps, cache, trainer")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the server (:8000 locally)")

@@ -23,6 +23,7 @@ SCORES = "prm_scores.jsonl"  # one line per scored turn and feedback change (sco
 TRAINING = "training.jsonl"  # steps, skips, evaluations, rollbacks (training/)
 JOURNAL = "train_journal.jsonl"  # which turns each step is about to train (training/journal.py)
 CHECKPOINTS = "checkpoints"  # step_NNNNNN/ folders (training/checkpoints.py)
+SEGMENTS = "segments"  # NNNNNN/ folders of compacted sessions' records (compaction.py)
 RANK0_LOG = "rank0.log"  # mlx.launch: rank 0's output after a rank failed (training/distributed.py)
 PREFIX_CACHE = "prefix_cache"  # the on-disk prefix KV store (kv/prefix_cache.py)
 RESPONSES = "responses"  # stored Responses API objects (api/response_store.py)
@@ -92,6 +93,15 @@ def complete(checkpoint: Path) -> bool:
     return checkpoint.is_dir() and (checkpoint / TRAINER_STATE).exists()
 
 
+def segment_dirs(data_dir: Path) -> list[Path]:
+    """DATA_DIR's complete segments (compaction.py), oldest first."""
+    root = Path(data_dir) / SEGMENTS
+    try:
+        return sorted(p for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+    except OSError:
+        return []
+
+
 def kept_checkpoint(root: Path, step: int) -> Path | None:
     """Checkpoint STEP under ROOT if it is complete now, else None."""
     path = Path(root) / f"step_{step:06d}"
@@ -102,7 +112,8 @@ def records_size(data_dir: Path) -> dict:
     """The bytes on disk of DATA_DIR's record files (/healthz `records`, /metrics, the
     dashboard): the records only grow, so an operator needs to see how much they take. Each of
     RECORD_FILES counts with its siblings `<name>*` (the `.corrupt-*` and `.torn-*` copies set
-    aside beside it, never deleted); `bytes` is their total, `checkpoints_bytes` the kept
+    aside beside it, never deleted), and `segments` the compacted sessions' (compaction.py) when
+    there are any; `bytes` is their total, `checkpoints_bytes` the kept
     checkpoints' (the prefix cache's is its own `disk_bytes`). One listing of the folder and a
     stat per file, nothing read, so every scrape may call it; a missing file counts 0."""
     files = dict.fromkeys(RECORD_FILES, 0)
@@ -114,6 +125,9 @@ def records_size(data_dir: Path) -> dict:
         name = next((n for n in RECORD_FILES if entry.name.startswith(n)), None)
         if name is not None:
             files[name] += entry_size(entry)
+    segments = tree_size(Path(data_dir) / SEGMENTS)
+    if segments:
+        files[SEGMENTS] = segments
     return {"bytes": sum(files.values()), "files": files,
             "checkpoints_bytes": tree_size(Path(data_dir) / CHECKPOINTS)}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -33,12 +34,15 @@ from rlproxy.serving.model import LoadedModel, load_base_model
 from rlproxy.sessions.store import SessionStore, sweep_idle_forever
 from rlproxy.settings import Settings
 from rlproxy.paths import RANK0_LOG
+from rlproxy.compaction import compact
 from rlproxy.recovery import recover, trainer_start
 from rlproxy.training import distributed
 from rlproxy.training.rank_link import Link
 from rlproxy.training.learner import training_copy
 from rlproxy.training.loop import Trainer
 from rlproxy.training.restart import TrainerStart
+
+log = logging.getLogger("rlproxy")
 
 
 @dataclass
@@ -58,6 +62,11 @@ def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine,
                   else settings.model.model)
     data_dir = settings.records.data_dir
     trainer = scorer = None
+    if settings.records.compact_records:  # before anything reads the records
+        done = compact(data_dir, settings)
+        if done["turns"]:
+            log.info("compacted the records: %d turns of %d closed, trained sessions moved to "
+                     "%s", done["turns"], done["sessions"], done["segment"])
     try:
         trainer = (make_trainer(settings, model, engine, ranks, trainer_start(data_dir))
                    if settings.trainer.train else None)

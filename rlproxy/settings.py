@@ -359,6 +359,10 @@ class RecordSettings(Section):
         True, description="write a turn that continues its thread's last recorded turn as "
         "only what is new (its extra prompt ids and messages) and a reference to that turn; "
         "off: every turn line whole, as before (readers take both)")
+    compact_records: bool = Field(
+        False, description="at start-up, first move closed, trained sessions out of the record "
+        "files start-up reads into segments/ (what `rlproxy records compact` does; `rlproxy "
+        "train --from` reads both)")
     responses_store_mb: float = Field(
         256.0, gt=0, description="disk kept for stored Responses (previous_response_id, "
         "GET /v1/responses/{id}); the oldest go first")

@@ -49,6 +49,31 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (-weight[item.path], first[item.path]))
 
 
+# RLPROXY_TEST_CPU=FILE: each test's CPU seconds (this process's, and the subprocesses it
+# reaped) appended to FILE as JSON lines: the suite is CPU-bound, so this says what it costs
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    out = os.environ.get("RLPROXY_TEST_CPU")
+    if not out:
+        yield
+        return
+    import json
+    import resource
+
+    def cpu():
+        me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                       resource.RUSAGE_CHILDREN))
+        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+    (me0, kids0), wall = cpu(), time.monotonic()
+    yield
+    me1, kids1 = cpu()
+    with open(out, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "cpu_s": round(me1 - me0, 2),
+                            "children_cpu_s": round(kids1 - kids0, 2),
+                            "wall_s": round(time.monotonic() - wall, 2)}) + "\n")
+
+
 class AppThread:
     """An aiohttp app served on 127.0.0.1:<free port> from a background event loop."""
 

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Iterable
 
-from rlproxy.paths import CONVERSATIONS, SCORES
+from rlproxy.paths import CONVERSATIONS, SCORES, segment_dirs
 from rlproxy.records import numbered_jsonl, read_turns
 from rlproxy.scoring.judging import released_item
 from rlproxy.training.journal import item_choice, item_key, quarantined_uids
@@ -32,30 +32,37 @@ def released_turns(data_dir: Path, w_opd: float, w_rl: float,
     """Every item released for training in DATA_DIR's records, one per released choice (the
     latest release of a key wins), rebuilt by scoring.released_item into what the scorer hands
     the trainer live, less keys in SKIP and quarantined ones (training/journal.py). Release lines
-    from before choices were keyed mean the chosen choice. Used to resume and by
-    `rlproxy train`. A line it cannot use is skipped with a WARNING naming it."""
+    from before choices were keyed mean the chosen choice. Reads DATA_DIR's segments
+    (compaction.py), oldest first, then its live files (so after a compaction the same items
+    come, the compacted sessions' first). Used to resume and by `rlproxy train`. A line it
+    cannot use is skipped with a WARNING naming it."""
     skip = set(skip) | quarantined_uids(data_dir, max_attempts)
+    # the segments of compacted sessions (compaction.py), oldest first, then the live files
+    folders = [*segment_dirs(data_dir), Path(data_dir)]
     scores, releases = {}, {}
-    path = Path(data_dir) / SCORES
-    for number, line in numbered_jsonl(path, report_cut=True):
-        if not isinstance(line.get("uid"), str):
-            log.warning("%s: line %d has no uid; skipped", path, number)
-        elif line.get("kind") == "score":
-            scores[line["uid"]] = line
-        elif line.get("kind") == "release":
-            releases.setdefault(line["uid"], {})[line.get("key") or line["uid"]] = line
-    out = []
-    path = Path(data_dir) / CONVERSATIONS
-    for number, turn in read_turns(path, report_cut=True):  # whole, whichever form
-        uid = turn.get("uid")
-        for key, release in (releases.get(uid, {}) if isinstance(uid, str) else {}).items():
-            if key in skip:
+    for path in (folder / SCORES for folder in folders):
+        for number, line in numbered_jsonl(path, report_cut=True):
+            if not isinstance(line.get("uid"), str):
+                log.warning("%s: line %d has no uid; skipped", path, number)
+            elif line.get("kind") == "score":
+                scores[line["uid"]] = line
+            elif line.get("kind") == "release":
+                releases.setdefault(line["uid"], {})[line.get("key") or line["uid"]] = line
+    out, seen = [], set()  # a crash mid-compaction may leave a turn in two files: taken once
+    for path in (folder / CONVERSATIONS for folder in folders):
+        for number, turn in read_turns(path, report_cut=True):  # whole, whichever form
+            uid = turn.get("uid")
+            if uid in seen:
                 continue
-            try:
-                item = released_item(turn, scores.get(uid, {}), release, w_opd, w_rl)
-            except (KeyError, IndexError, TypeError, ValueError) as e:
-                log.warning("%s: line %d is not a turn that can be trained (%s: %s); skipped",
-                            path, number, type(e).__name__, e)
-                break
-            out += [item] if item is not None else []
+            seen.add(uid)
+            for key, release in (releases.get(uid, {}) if isinstance(uid, str) else {}).items():
+                if key in skip:
+                    continue
+                try:
+                    item = released_item(turn, scores.get(uid, {}), release, w_opd, w_rl)
+                except (KeyError, IndexError, TypeError, ValueError) as e:
+                    log.warning("%s: line %d is not a turn that can be trained (%s: %s); "
+                                "skipped", path, number, type(e).__name__, e)
+                    break
+                out += [item] if item is not None else []
     return out
