@@ -2,7 +2,8 @@
 (records.py `extending_line`, `--extend-turns`, the default) and with every line whole
 (`--no-extend-turns`).
 
-    python bench/record_bytes.py [--turns 10] [--model tiny] [--tools N] [--keep DIR]
+    python bench/record_bytes.py [--turns 10] [--sessions 1] [--model tiny] [--tools N]
+        [--keep DIR]
         [--out bench/results/record_bytes.json]
 
 One Hermes-shaped agent session (bench/agent_workload.py: its system prompt, ~20 tool schemas,
@@ -14,7 +15,10 @@ form. Once every turn is recorded it measures each turn's line in conversations.
 entry in pending_turns.jsonl (the journal holds every turn but the last, which is recorded at
 once), and prints them per turn with the prompt tokens the server reported, then the ratio of
 whole to extending bytes overall and after the first turn (which is whole in both) and bytes per
-prompt token. Writes it all as JSON.
+prompt token. With --sessions N, N such sessions of the same agent one after another (another
+task each): a user's next session, whose first turn extends the last one recorded with the same
+system prompt and tools; each session's bytes, and the ratio for the first and the later ones.
+Writes it all as JSON.
 """
 
 from __future__ import annotations
@@ -46,14 +50,16 @@ def chat(url: str, body: dict, headers: dict) -> dict:
         return json.loads(r.read())
 
 
-def session(url: str, turns: int, tools: list[dict]) -> list[int]:
-    """The agent's session; each request's prompt tokens, as the server reported them."""
-    rng, prompt_tokens = random.Random(0), []
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": TASKS[0]}]
+def session(url: str, turns: int, tools: list[dict], n: int = 0) -> list[int]:
+    """The agent's session N (its own id and task); each request's prompt tokens, as the
+    server reported them."""
+    rng, prompt_tokens = random.Random(n), []
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": TASKS[n % len(TASKS)]}]
     for step in range(turns):
         done = {"X-Session-Done": "1"} if step == turns - 1 else {}
         r = chat(url, {"model": "agent", "messages": messages, "tools": tools, "max_tokens": 8,
-                       "temperature": 0}, {"X-Session-Id": "bench", **done})
+                       "temperature": 0}, {"X-Session-Id": f"bench-{n}", **done})
         prompt_tokens.append(r["usage"]["prompt_tokens"])
         reply = r["choices"][0]["message"]
         calls = reply.get("tool_calls") or []
@@ -71,8 +77,9 @@ def lines(path: Path) -> list[tuple[dict, int]]:
 
 
 def measure(root: Path, form: str, flags: tuple, model: str, turns: int,
-            tools: int | None) -> dict:
-    """Serve FORM, send the session, wait until all TURNS are recorded: bytes per turn."""
+            tools: int | None, sessions: int = 1) -> dict:
+    """Serve FORM, send the SESSIONS sessions one after another, wait until all their turns
+    are recorded: bytes per turn (the first session's) and per session."""
     data = root / form
     with Served(data, "--no-train", "--no-judge", "--no-fsync", *flags, model=model,
                 log=root / f"{form}.log", wait_s=600) as server:
@@ -81,27 +88,38 @@ def measure(root: Path, form: str, flags: tuple, model: str, turns: int,
         tic = time.monotonic()
         try:
             prompt_tokens = session(server.url, turns, TOOLS[:tools])
+            for n in range(1, sessions):
+                session(server.url, turns, TOOLS[:tools], n)
         except urllib.error.HTTPError as e:
             raise SystemExit(f"{form}: the server answered {e.code}: {e.read().decode()[:500]}")
         wall = time.monotonic() - tic
         deadline = time.monotonic() + 60
-        while len(lines(data / "conversations.jsonl")) < turns:
+        while len(lines(data / "conversations.jsonl")) < turns * sessions:
             if time.monotonic() > deadline:
                 raise SystemExit(f"{form}: {len(lines(data / 'conversations.jsonl'))} of "
                                  f"{turns} turns recorded after 60 s; see {server.log}")
             time.sleep(0.1)
-        conversations = sorted(lines(data / "conversations.jsonl"), key=lambda x: x[0]["index"])
+        everything = lines(data / "conversations.jsonl")
         journal = lines(data / "pending_turns.jsonl")
+    per_session = {}
+    for line, size in everything:
+        per_session[line["session_id"]] = per_session.get(line["session_id"], 0) + size
+    conversations = sorted(((ln, n) for ln, n in everything if ln["session_id"] == "bench-0"),
+                           key=lambda x: x[0]["index"])
     index = {line["uid"]: line["index"] for line, _ in conversations}
     pending = [0] * turns
     for line, size in journal:
-        if line.get("kind") == "turn":
+        if line.get("kind") == "turn" and line["uid"] in index:  # the first session's
             pending[index[line["uid"]]] += size
     return {"session_s": round(wall, 1), "tools": tools, "prompt_tokens": prompt_tokens,
             "conversations_bytes": [size for _, size in conversations],
             "extends": [("extends" in line) for line, _ in conversations],
             "pending_turn_bytes": pending,
-            "pending_file_bytes": (data / "pending_turns.jsonl").stat().st_size}
+            "pending_file_bytes": (data / "pending_turns.jsonl").stat().st_size,
+            "session_bytes": [per_session[f"bench-{n}"] for n in range(sessions)],
+            "first_turn_extends": [any(ln["session_id"] == f"bench-{n}" and ln["index"] == 0
+                                       and "extends" in ln for ln, _ in everything)
+                                   for n in range(sessions)]}
 
 
 def main() -> None:
@@ -110,6 +128,10 @@ def main() -> None:
     p.add_argument("--model", default="tiny", help="tiny or smollm2-135m-instruct (any --model)")
     p.add_argument("--tools", type=int, help="tool schemas sent (default: all %d; 2 on a model "
                    "with under 32k tokens of context)" % len(TOOLS))
+    p.add_argument("--sessions", type=int, default=1,
+                   help="sessions of the same agent, one after another (its system prompt and "
+                        "tools, another task each): a later one's first turn extends the "
+                        "earlier one's last (sessions/store.py), as a user's next session does")
     p.add_argument("--keep", type=Path, help="data dirs and server logs here (kept)")
     p.add_argument("--out", type=Path, default=Path("bench/results/record_bytes.json"))
     a = p.parse_args()
@@ -117,7 +139,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     root = a.keep or Path(tempfile.mkdtemp(prefix="rlproxy-record-bytes-"))
     root.mkdir(parents=True, exist_ok=True)
-    forms = {form: measure(root, form, flags, a.model, a.turns, a.tools)
+    forms = {form: measure(root, form, flags, a.model, a.turns, a.tools, a.sessions)
              for form, flags in FORMS.items()}
     ext, whole = forms["extending"], forms["whole"]
     tokens = ext["prompt_tokens"]
@@ -150,11 +172,22 @@ def main() -> None:
                      f"{s['ratio']}x overall, {s['ratio_after_first']}x after the first turn; "
                      f"{s['whole_bytes_per_prompt_token']} vs "
                      f"{s['extending_bytes_per_prompt_token']} B per prompt token")
+    if a.sessions > 1:
+        w, e = whole["session_bytes"], ext["session_bytes"]
+        summary["session_bytes"] = {
+            "whole": w, "extending": e, "first_turn_extends": ext["first_turn_extends"],
+            "ratio_first": round(w[0] / e[0], 2),
+            "ratio_later": round(sum(w[1:]) / max(sum(e[1:]), 1), 2)}
+        table.append(f"{a.sessions} sessions of {a.turns} turns, bytes each: whole {w}, "
+                     f"extending {e}: the first {summary['session_bytes']['ratio_first']}x, "
+                     f"the later ones {summary['session_bytes']['ratio_later']}x (their first "
+                     f"turns extend: {ext['first_turn_extends'][1:]})")
     table.append(f"prompt tokens: {sum(tokens)} in all; pending_turns.jsonl files: whole "
                  f"{whole['pending_file_bytes']} B, extending {ext['pending_file_bytes']} B; "
                  f"data in {root}")
     result = {**environment(a.model, load_before, settings={"turns": a.turns, "tools": ext["tools"],
-                                                          "max_tokens": 8}),
+                                                          "max_tokens": 8,
+                                                          "sessions": a.sessions}),
               "summary": summary, "forms": forms}
     report(table, result, a.out)
 

@@ -4,7 +4,8 @@ stop growing with the whole history.
 
 A segment is a folder `segments/NNNNNN/` with its own `conversations.jsonl` (a line that extends
 another names an offset in the same file) and `prm_scores.jsonl` (the moved turns' score,
-release and feedback lines). Start-up never reads a segment; `rlproxy train --from` and the
+release and feedback lines) and `reopen.json` (each moved session's next turn index: an id
+used again numbers on). Start-up reads only a segment's reopen.json; `rlproxy train --from` and the
 trainer's resume read every segment and then the live files (training/items.py
 `released_turns`), so training on a compacted data dir gives the same items.
 
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import orjson
 
-from rlproxy.paths import CONVERSATIONS, PENDING, SCORES, SEGMENTS, segment_dirs
+from rlproxy.paths import CONVERSATIONS, PENDING, REOPEN, SCORES, SEGMENTS, segment_dirs
 from rlproxy.records import AT, LENGTH, TurnLines, dumps_line, index_entry, index_path
 from rlproxy.recovery import recover, trainer_start
 from rlproxy.scoring.scorer import KEEP_RECENT
@@ -77,7 +78,7 @@ def compact(data_dir: Path, settings: Settings, keep: str | None = None,
     tmp.mkdir(parents=True, exist_ok=True)
     out = {"segment": Files(tmp / CONVERSATIONS, index=False),
            "live": Files(conv.with_name(CONVERSATIONS + ".compact"), index=True)}
-    moved_uids, sessions = set(), set()
+    moved_uids, sessions = set(), {}  # session -> the index its next turn would get
     turns = TurnLines(conv)
     where: dict[int, tuple[str, int, int]] = {}  # old offset -> (file, new offset, depth)
     at = 0
@@ -107,7 +108,9 @@ def compact(data_dir: Path, settings: Settings, keep: str | None = None,
             where[old] = (name, out[name].write(line), depth)
             if name == "segment":
                 moved_uids.add(line.get("uid"))
-                sessions.add(line.get("session_id"))
+                sid, index = line.get("session_id"), line.get("index")
+                if isinstance(index, int):
+                    sessions[sid] = max(sessions.get(sid, 0), index + 1)
     if not moved_uids:
         for files in out.values():
             files.discard()
@@ -125,6 +128,10 @@ def compact(data_dir: Path, settings: Settings, keep: str | None = None,
                 scores_out[name].raw(raw)
     out["segment"].close()
     scores_out["segment"].close()
+    with open(tmp / REOPEN, "wb") as f:  # a moved session's id used again numbers on
+        f.write(orjson.dumps(sessions))
+        f.flush()
+        os.fsync(f.fileno())
     fsync_dir(tmp)
     os.replace(tmp, final)  # the segment is whole before any live file changes
     fsync_dir(final.parent)

@@ -24,6 +24,7 @@ TRAINING = "training.jsonl"  # steps, skips, evaluations, rollbacks (training/)
 JOURNAL = "train_journal.jsonl"  # which turns each step is about to train (training/journal.py)
 CHECKPOINTS = "checkpoints"  # step_NNNNNN/ folders (training/checkpoints.py)
 SEGMENTS = "segments"  # NNNNNN/ folders of compacted sessions' records (compaction.py)
+REOPEN = "reopen.json"  # in a segment: each moved session's next turn index
 RANK0_LOG = "rank0.log"  # mlx.launch: rank 0's output after a rank failed (training/distributed.py)
 PREFIX_CACHE = "prefix_cache"  # the on-disk prefix KV store (kv/prefix_cache.py)
 RESPONSES = "responses"  # stored Responses API objects (api/response_store.py)

@@ -10,7 +10,8 @@ Which file rebuilds which state, in the order read:
 1. prm_scores.jsonl, once: `ScorerStart` (the ledger from score, release and feedback lines;
    the judge's counts; summaries; feedback for turns not scored yet), and which released
    choices the trainer has not handled yet (their release lines and score lines).
-2. conversations.jsonl, once, through its index (records.py `indexed_lines`: the few fields of
+2. each segment's reopen.json (compaction.py: sessions moved out number on), then
+   conversations.jsonl, once, through its index (records.py `indexed_lines`: the few fields of
    each line, and past the index's end the lines themselves; a line is read whole only when a
    part below takes it): `StoreStart.reopen` (each session's next turn index) and the
    uids recorded; `ScorerStart.unscored` (trainable turns without a score line, scored again),
@@ -34,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Container, Iterable, Iterator
 
+import orjson
+
 from rlproxy.lru import LRU
-from rlproxy.paths import CONVERSATIONS, PENDING, SCORES
+from rlproxy.paths import CONVERSATIONS, PENDING, REOPEN, SCORES, segment_dirs
 from rlproxy.records import AT, TurnLines, indexed_lines, numbered_jsonl, whole_line
 from rlproxy.scoring.judging import final_reward, released_item
 from rlproxy.scoring.ledger import readable
@@ -94,6 +97,9 @@ def recover(data_dir: Path, settings: Settings, handled: Container[str] | None =
     if released is not None:
         released.scores_read()
     store, recorded = StoreStart(), set()
+    for folder in segment_dirs(data_dir):  # compacted sessions number on (compaction.py)
+        for sid, nxt in read_reopen(folder / REOPEN).items():
+            store.reopen.put(sid, (max(nxt, store.reopen.peek(sid, (0, False))[0]), False))
     path = data_dir / CONVERSATIONS
     turns = TurnLines(path)  # whole records from lines that extend an earlier turn
     # through its index (records.py): a line the index covers comes as its few fields
@@ -119,6 +125,19 @@ def recover(data_dir: Path, settings: Settings, handled: Container[str] | None =
     store.pending = live_journal(data_dir / PENDING, recorded, turns)
     return Recovered(store, scorer.start,
                      TrainerItems(released.items) if released is not None else None)
+
+
+def read_reopen(path: Path) -> dict[str, int]:
+    """A segment's reopen.json: session id -> the index its next turn gets; {} (with a
+    WARNING) if it cannot be read."""
+    try:
+        data = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError) as e:
+        log.warning("%s cannot be read (%s); its sessions' ids, used again, number from 0",
+                    path, e)
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, int)} \
+        if isinstance(data, dict) else {}
 
 
 class ScorerReplay:

@@ -66,7 +66,8 @@ def state(data: Path) -> dict:
     return {"pending": sorted(orjson.dumps(e) for e in r.store.pending),
             "unscored": [t["uid"] for t in s.unscored], "held": sorted(s.held),
             "recent": list(s.recent), "tallies": sorted(s.ledger.tallies),
-            "items": [item_key(i) for i in r.trainer.released]}
+            "items": [item_key(i) for i in r.trainer.released],
+            "reopen": dict(r.store.reopen.items())}  # each session's next index, moved or not
 
 
 @pytest.fixture(scope="module")
