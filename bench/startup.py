@@ -238,15 +238,15 @@ def child(data: Path, traced: bool) -> dict:
         return whole(path, *args, **kw)
 
     records.numbered_jsonl = counted  # before the modules that import it by name
-    if hasattr(records, "indexed_lines"):  # conversations.jsonl, through its index
-        through_index = records.indexed_lines
+    if hasattr(records, "IndexedFile"):  # conversations.jsonl, through its index
+        through_index = records.IndexedFile.lines
 
-        def counted_index(path, *args, **kw):
-            name = Path(path).name + " (indexed)"
+        def counted_index(self):
+            name = self.path.name + " (indexed)"
             reads[name] = reads.get(name, 0) + 1
-            return through_index(path, *args, **kw)
+            return through_index(self)
 
-        records.indexed_lines = counted_index
+        records.IndexedFile.lines = counted_index
     from rlproxy.pipeline import build_pipeline
     from rlproxy.training.loop import Trainer
 

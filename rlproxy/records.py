@@ -27,7 +27,7 @@ folder that cannot be read at start to `<name>.corrupt-<time>` (never deleted), 
 A writer made with `index=` (conversations.jsonl's) also appends, after each batch is on disk,
 a short entry per line to `<name>.index` beside it: the fields start-up needs of a turn line
 (`INDEX_FIELDS`), its byte offset and length. The index is derived and never fsynced; the JSONL
-stays the truth. `indexed_lines` reads a file through it (start-up: a long history's prompts and
+stays the truth. `IndexedFile` reads a file through it (start-up: a long history's prompts and
 log-probs are most of its bytes, and recovery wants a few of its lines whole), checking it
 against the file and reading past its end, and brings it up to date.
 
@@ -39,6 +39,7 @@ and is compacted (rewritten to a temp file + renamed) only at start-up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -61,9 +62,9 @@ DISK_FULL = (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
 os_write = os.write
 
 
-# what `indexed_lines` yields of an indexed turn line: the fields start-up recovery reads of
+# what `IndexedFile.lines` yields of an indexed turn line: the fields start-up recovery reads of
 # every line (recovery.py: TurnLines.note, StoreStart.recorded, ScorerReplay.wants), with the
-# line's byte offset and length (AT, LENGTH) to read it whole (`whole_line`)
+# line's byte offset and length (AT, LENGTH) to read it whole (`IndexedFile.whole`)
 INDEX_FIELDS = ("uid", "session_id", "index", "turn_type", "trainable", "extends")
 AT, LENGTH = "line_at", "line_bytes"
 
@@ -411,14 +412,14 @@ def numbered_jsonl(path: Path, report_cut: bool = False) -> Iterator[tuple[int, 
         yield number, record
 
 
-def _lines(path: Path, report_cut: bool, start: int = 0,
-           number: int = 1) -> Iterator[tuple[int, int, int, dict]]:
+def _lines(path: Path, report_cut: bool, start: int = 0, number: int = 1,
+           opened=None) -> Iterator[tuple[int, int, int, dict]]:
     """(line number, byte offset, length, object) of each line of PATH from byte START (line
-    NUMBER), as `numbered_jsonl` reads them."""
-    if not path.exists():
+    NUMBER), as `numbered_jsonl` reads them (from OPENED, PATH opened already, if given)."""
+    if opened is None and not path.exists():
         return
     offset = start
-    with open(path, "rb") as f:
+    with contextlib.nullcontext(opened) if opened is not None else open(path, "rb") as f:
         f.seek(start)
         for number, line in enumerate(f, number):
             at, offset = offset, offset + len(line)
@@ -441,40 +442,76 @@ def _lines(path: Path, report_cut: bool, start: int = 0,
 
 
 def indexed_lines(path: Path) -> Iterator[tuple[int, dict]]:
-    """(line number, line) of each line of PATH as `numbered_jsonl(path, report_cut=True)`
-    yields them, but through PATH's index where it covers the file: an indexed line comes as
-    its index entry (INDEX_FIELDS as far as the line has them, AT, LENGTH: `whole_line` reads
-    it whole), a line past the index's end as read. The index is trusted as far as its entries
-    are whole and tile the file from its first byte (each starts where the one before ends),
-    and only if the last of those names the line the file holds there; once the lines are all
-    read, the index is cut to what was trusted and the entries of the lines read are appended
-    (up to a line that is not a JSON object: lines past one are read whole at every start)."""
-    path = Path(path)
-    ipath, size = index_path(path), path.stat().st_size if path.exists() else 0
-    count, covered, kept, last = _trusted(ipath, size)
-    if last is not None and whole_line(path, last) is None:  # not this file's index
-        count = covered = kept = 0
-    number = 0
-    if count:
-        with open(ipath, "rb") as f:
-            for number, raw in zip(range(1, count + 1), f):
-                yield number, orjson.loads(raw)
-    entries = []
-    for number, at, n, line in _lines(path, True, covered, number + 1):
-        if at == covered:
-            entries.append(orjson.dumps({**index_entry(line), AT: at, LENGTH: n}) + b"\n")
-            covered += n
-        yield number, line
-    indexed = ipath.stat().st_size if ipath.exists() else 0
-    if kept == indexed and not entries:
-        return
-    try:
-        with open(ipath, "ab") as f:
-            f.truncate(kept)
-            f.write(b"".join(entries))
-    except OSError as e:
-        log.warning("%s: could not bring it up to date (%s); the next start reads the lines "
-                    "it lacks again", ipath, e)
+    """`IndexedFile(path).lines()`, for a reader that needs no line whole."""
+    with IndexedFile(path) as f:
+        yield from f.lines()
+
+
+class IndexedFile:
+    """A file read through its index (conversations.jsonl's), opened once: `lines()` yields
+    (line number, line) of each of its lines as `numbered_jsonl(path, report_cut=True)` does,
+    but an indexed line comes as its index entry (INDEX_FIELDS as far as the line has them,
+    AT, LENGTH), which `whole(entry)` reads whole; a line past the index's end comes as read.
+    The index is trusted as far as its entries are whole and tile the file from its first byte
+    (each starts where the one before ends), and only if the last of those names the line the
+    file holds there; once the lines are all read, the index is cut to what was trusted and the
+    entries of the lines read are appended (up to a line that is not a JSON object: lines past
+    one are read whole at every start)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._f = open(self.path, "rb") if self.path.exists() else None
+
+    def __enter__(self) -> IndexedFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def whole(self, entry: dict) -> dict | None:
+        """The line an index ENTRY stands for, read whole (without moving the file's position);
+        None if the file does not hold a line with its uid there."""
+        try:
+            raw = os.pread(self._f.fileno(), entry[LENGTH], entry[AT])
+            line = orjson.loads(raw) if raw.endswith(b"\n") else None
+        except (OSError, AttributeError, orjson.JSONDecodeError, KeyError, TypeError,
+                ValueError):
+            return None
+        return line if isinstance(line, dict) and line.get("uid") == entry.get("uid") else None
+
+    def lines(self) -> Iterator[tuple[int, dict]]:
+        if self._f is None:
+            return
+        ipath, size = index_path(self.path), os.fstat(self._f.fileno()).st_size
+        count, covered, kept, last = _trusted(ipath, size)
+        if last is not None and self.whole(last) is None:  # not this file's index
+            count = covered = kept = 0
+        number = 0
+        if count:
+            with open(ipath, "rb") as f:
+                for number, raw in zip(range(1, count + 1), f):
+                    yield number, orjson.loads(raw)
+        entries = []
+        for number, at, n, line in _lines(self.path, True, covered, number + 1, self._f):
+            if at == covered:
+                entries.append(orjson.dumps({**index_entry(line), AT: at, LENGTH: n}) + b"\n")
+                covered += n
+            yield number, line
+        indexed = ipath.stat().st_size if ipath.exists() else 0
+        if kept == indexed and not entries:
+            return
+        try:
+            with open(ipath, "ab") as f:
+                f.truncate(kept)
+                f.write(b"".join(entries))
+        except OSError as e:
+            log.warning("%s: could not bring it up to date (%s); the next start reads the lines "
+                        "it lacks again", ipath, e)
 
 
 def _trusted(ipath: Path, size: int) -> tuple[int, int, int, dict | None]:
@@ -497,19 +534,6 @@ def _trusted(ipath: Path, size: int) -> tuple[int, int, int, dict | None]:
                 break
             count, covered, kept, last = count + 1, covered + n, kept + len(raw), entry
     return count, covered, kept, last
-
-
-def whole_line(path: Path, entry: dict) -> dict | None:
-    """The line of PATH an index ENTRY (`indexed_lines`) stands for, read whole; None if the
-    file does not hold a line with its uid there."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(entry[AT])
-            raw = f.read(entry[LENGTH])
-        line = orjson.loads(raw) if raw.endswith(b"\n") else None
-    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-        return None
-    return line if isinstance(line, dict) and line.get("uid") == entry.get("uid") else None
 
 
 def _warn_once(path: Path, at: int, line: bytes, what: str) -> None:

@@ -11,7 +11,7 @@ Which file rebuilds which state, in the order read:
    the judge's counts; summaries; feedback for turns not scored yet), and which released
    choices the trainer has not handled yet (their release lines and score lines).
 2. each segment's reopen.json (compaction.py: sessions moved out number on), then
-   conversations.jsonl, once, through its index (records.py `indexed_lines`: the few fields of
+   conversations.jsonl, once, through its index (records.py `IndexedFile`: the few fields of
    each line, and past the index's end the lines themselves; a line is read whole only when a
    part below takes it): `StoreStart.reopen` (each session's next turn index) and the
    uids recorded; `ScorerStart.unscored` (trainable turns without a score line, scored again),
@@ -39,7 +39,7 @@ import orjson
 
 from rlproxy.lru import LRU
 from rlproxy.paths import CONVERSATIONS, PENDING, REOPEN, SCORES, segment_dirs
-from rlproxy.records import AT, TurnLines, indexed_lines, numbered_jsonl, whole_line
+from rlproxy.records import AT, IndexedFile, TurnLines, numbered_jsonl
 from rlproxy.scoring.judging import final_reward, released_item
 from rlproxy.scoring.ledger import readable
 from rlproxy.scoring.scorer import (KEEP_FEEDBACK, KEEP_RECENT, KEEP_SCORED, RECENT_MB,
@@ -103,7 +103,20 @@ def recover(data_dir: Path, settings: Settings, handled: Container[str] | None =
     path = data_dir / CONVERSATIONS
     turns = TurnLines(path)  # whole records from lines that extend an earlier turn
     # through its index (records.py): a line the index covers comes as its few fields
-    for number, line in indexed_lines(path):
+    with IndexedFile(path) as conversations:
+        read_conversations(conversations, turns, recorded, store, scorer, released)
+    store.pending = live_journal(data_dir / PENDING, recorded, turns)
+    return Recovered(store, scorer.start,
+                     TrainerItems(released.items) if released is not None else None)
+
+
+def read_conversations(conversations: IndexedFile, turns: TurnLines, recorded: set,
+                       store: StoreStart, scorer: ScorerReplay,
+                       released: Released | None) -> None:
+    """2 in the module docstring: each line of conversations.jsonl, once, into RECORDED (the
+    uids read), STORE, SCORER and RELEASED."""
+    path = conversations.path
+    for number, line in conversations.lines():
         # A turn is rebuilt whole only if the scorer or the trainer takes it (most of a long
         # history is scored, released and trained: its session and index are all it gives)
         if not turns.note(line, recorded):  # its parent cannot be read: warned, its line kept
@@ -112,7 +125,7 @@ def recover(data_dir: Path, settings: Settings, handled: Container[str] | None =
         recorded.add(uid)
         store.recorded(line)
         if scorer.wants(line) or (released is not None and released.wants(uid)):
-            whole = whole_line(path, line) if AT in line else line
+            whole = conversations.whole(line) if AT in line else line
             if whole is None:
                 log.warning("%s: line %d changed while it was read; skipped", path, number)
                 continue
@@ -122,9 +135,6 @@ def recover(data_dir: Path, settings: Settings, handled: Container[str] | None =
             scorer.turn(record)
             if released is not None:
                 released.turn(number, record, path)
-    store.pending = live_journal(data_dir / PENDING, recorded, turns)
-    return Recovered(store, scorer.start,
-                     TrainerItems(released.items) if released is not None else None)
 
 
 def read_reopen(path: Path) -> dict[str, int]:

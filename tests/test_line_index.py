@@ -1,4 +1,4 @@
-"""conversations.jsonl's index (records.py: `JsonlWriter(index=True)`, `indexed_lines`): what
+"""conversations.jsonl's index (records.py: `JsonlWriter(index=True)`, `IndexedFile`): what
 start-up reads instead of every turn line. Recovery through the index rebuilds exactly the
 state that reading every line does, on a history written as a server writes it (bench/startup.py's
 synthetic agent sessions, extending lines); an index that is missing, torn, cut short, holed,
@@ -101,9 +101,9 @@ def test_recovery_through_the_index_rebuilds_the_same_state(history, expected, t
                                                              monkeypatch):
     data = copy(history, tmp_path, expected["index"])
     read = []
-    whole = records.whole_line
-    monkeypatch.setattr("rlproxy.recovery.whole_line",
-                        lambda path, entry: read.append(entry["uid"]) or whole(path, entry))
+    whole = records.IndexedFile.whole
+    monkeypatch.setattr(records.IndexedFile, "whole",
+                        lambda self, entry: read.append(entry["uid"]) or whole(self, entry))
     assert state(data) == expected["state"]
     turns = len(lines_of(data))
     assert 0 < len(read) < turns / 2, (len(read), turns)  # only what a part takes, read whole

@@ -130,7 +130,8 @@ def count_opens(monkeypatch) -> Counter:
 
 def count_whole_reads(monkeypatch) -> Counter:
     """Every reader of a record file goes through records.numbered_jsonl (read_jsonl and
-    load_pending call it; others import it by name): count its calls per file."""
+    load_pending call it; others import it by name), or for conversations.jsonl at start-up
+    through records.IndexedFile.lines (its index): count their calls per file."""
     reads: Counter = Counter()
     whole = records.numbered_jsonl
 
@@ -142,6 +143,13 @@ def count_whole_reads(monkeypatch) -> Counter:
         if getattr(module, "__name__", "").startswith("rlproxy") and \
                 getattr(module, "numbered_jsonl", None) is whole:
             monkeypatch.setattr(module, "numbered_jsonl", counted)
+    through_index = records.IndexedFile.lines  # conversations.jsonl's reader (its index)
+
+    def counted_index(self):
+        reads[self.path.name] += 1
+        return through_index(self)
+
+    monkeypatch.setattr(records.IndexedFile, "lines", counted_index)
     return reads
 
 
