@@ -18,27 +18,33 @@ live files ends up either still there or in the segment, byte for byte the same 
 whose parent moves to the other file is written whole, one whose parent moves with it names
 the parent's new offset). A line that cannot be read stays where it was, as it was.
 
-Crash safety: the segment is written whole under a temporary name, fsynced and renamed; then
-the pending journal (rewritten whole: its entries no longer name offsets), the live scores and
-the live conversations (with a fresh index) each replace their file by rename. A crash between
-two steps leaves a turn in both the segment and a live file, never in neither; readers take a
-uid once. Offline only: the data dir must not be in use (cli.py takes its lock).
+Crash safety: every new file (the segment's, and the live files' replacements) is written and
+fsynced first; then the segment folder is renamed into place, and the pending journal
+(rewritten whole: its entries no longer name offsets), the live conversations (with a fresh
+index) and the live scores each replace their file by rename, in that order. A crash between
+two steps leaves a turn in both the segment and a live file, never in neither (readers take a
+uid once), and never a live turn without its score lines; a segment gets its COMPLETE mark
+last, and the next compaction finishes or undoes one without it (`finish_or_undo`). Offline only: the data dir must not be in use (cli.py takes its lock).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import orjson
 
 from rlproxy.paths import CONVERSATIONS, PENDING, REOPEN, SCORES, SEGMENTS, segment_dirs
-from rlproxy.records import AT, LENGTH, TurnLines, dumps_line, index_entry, index_path
+from rlproxy.records import (AT, LENGTH, IndexedFile, TurnLines, dumps_line, index_entry,
+                             index_path, numbered_jsonl)
 from rlproxy.recovery import recover, trainer_start
 from rlproxy.scoring.scorer import KEEP_RECENT
 from rlproxy.settings import Settings
 from rlproxy.training.restart import handled_keys
+
+COMPLETE = "complete"  # in a segment: its compaction replaced every live file
 
 
 def live_sessions(data_dir: Path, settings: Settings, keep_recent: int = KEEP_RECENT) -> set[str]:
@@ -63,6 +69,7 @@ def compact(data_dir: Path, settings: Settings, keep: str | None = None,
     a new segment; what was done (sessions and turns moved, bytes before and after)."""
     data_dir = Path(data_dir)
     keep_re = re.compile(keep) if keep else None
+    finish_or_undo(data_dir)
     live = live_sessions(data_dir, settings, keep_recent)
     conv = data_dir / CONVERSATIONS
     before = {n: (data_dir / n).stat().st_size if (data_dir / n).exists() else 0
@@ -75,7 +82,9 @@ def compact(data_dir: Path, settings: Settings, keep: str | None = None,
     number = int(done[-1].name) + 1 if done else 1
     final = data_dir / SEGMENTS / f"{number:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # a compaction that died before its rename
+    tmp.mkdir(parents=True)
+    fsync_dir(data_dir)  # segments/ itself, made by the first compaction
     out = {"segment": Files(tmp / CONVERSATIONS, index=False),
            "live": Files(conv.with_name(CONVERSATIONS + ".compact"), index=True)}
     moved_uids, sessions = set(), {}  # session -> the index its next turn would get
@@ -114,7 +123,7 @@ def compact(data_dir: Path, settings: Settings, keep: str | None = None,
     if not moved_uids:
         for files in out.values():
             files.discard()
-        tmp.rmdir()
+        shutil.rmtree(tmp, ignore_errors=True)
         return {"sessions": 0, "turns": 0, "segment": None, "before": before, "after": before}
 
     scores_out = {"segment": Files(tmp / SCORES, index=False),
@@ -126,34 +135,72 @@ def compact(data_dir: Path, settings: Settings, keep: str | None = None,
                 line = parse(raw)
                 name = "segment" if line is not None and line.get("uid") in moved_uids else "live"
                 scores_out[name].raw(raw)
-    out["segment"].close()
-    scores_out["segment"].close()
     with open(tmp / REOPEN, "wb") as f:  # a moved session's id used again numbers on
         f.write(orjson.dumps(sessions))
         f.flush()
         os.fsync(f.fileno())
+    for files in (*out.values(), *scores_out.values()):  # every new file whole on disk first:
+        files.close()  # what follows is renames only
+    pending = rewrite_pending(data_dir, turns)
     fsync_dir(tmp)
     os.replace(tmp, final)  # the segment is whole before any live file changes
     fsync_dir(final.parent)
-    rewrite_pending(data_dir, turns)
-    scores_out["live"].close()
-    os.replace(scores_out["live"].path, scores)
+    if pending is not None:  # whole entries: they read the same against either file
+        os.replace(pending, data_dir / PENDING)
+    # conversations before its scores: a crash between the two leaves the moved turns' score
+    # lines in both files (inert: their turns are not live), never turns without their scores
+    # (which start-up would score again)
     index_path(conv).unlink(missing_ok=True)  # the old one names the old offsets
-    out["live"].close()
     os.replace(out["live"].path, conv)
     os.replace(index_path(out["live"].path), index_path(conv))  # (start-up checks it anyway)
+    os.replace(scores_out["live"].path, scores)
     fsync_dir(data_dir)
+    mark_complete(final)
     after = {n: (data_dir / n).stat().st_size if (data_dir / n).exists() else 0 for n in before}
     return {"sessions": len(sessions), "turns": len(moved_uids), "segment": str(final),
             "before": before, "after": after}
 
 
-def rewrite_pending(data_dir: Path, turns: TurnLines) -> None:
-    """The pending journal (recovery compacted it to its live entries) with each entry whole:
-    an entry that extends a line names its old offset."""
+def mark_complete(segment: Path) -> None:
+    (segment / COMPLETE).touch()
+    fsync_dir(segment)
+
+
+def finish_or_undo(data_dir: Path) -> None:
+    """A compaction that died after renaming its segment into place (the newest one has no
+    COMPLETE mark): if the live conversations still hold its turns (it died before replacing
+    them), the segment is a copy of what the live files hold and goes; else only the live
+    scores may still hold its turns' lines (copies of the segment's), and they go."""
+    done = segment_dirs(data_dir)
+    if not done or (done[-1] / COMPLETE).exists():
+        return
+    segment = done[-1]
+    uids = {line.get("uid") for _, line in numbered_jsonl(segment / CONVERSATIONS)}
+    with IndexedFile(data_dir / CONVERSATIONS) as f:
+        if any(line.get("uid") in uids for _, line in f.lines()):
+            shutil.rmtree(segment)
+            fsync_dir(segment.parent)
+            return
+    scores = data_dir / SCORES
+    if scores.exists():
+        kept = Files(scores.with_name(SCORES + ".compact"), index=False)
+        with open(scores, "rb") as f:
+            for raw in f:
+                line = parse(raw)
+                if line is None or line.get("uid") not in uids:
+                    kept.raw(raw)
+        kept.close()
+        os.replace(kept.path, scores)
+        fsync_dir(data_dir)
+    mark_complete(segment)
+
+
+def rewrite_pending(data_dir: Path, turns: TurnLines) -> Path | None:
+    """The pending journal (recovery compacted it to its live entries) written whole to a temp
+    file beside it (an entry that extends a line names its old offset), fsynced: its path."""
     path = data_dir / PENDING
     if not path.exists():
-        return
+        return None
     tmp = path.with_name(PENDING + ".compact")
     with open(tmp, "wb") as f:
         with open(path, "rb") as old:
@@ -163,7 +210,7 @@ def rewrite_pending(data_dir: Path, turns: TurnLines) -> None:
                 f.write(dumps_line(full) if full is not None else raw)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return tmp
 
 
 class Files:

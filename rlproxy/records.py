@@ -167,8 +167,14 @@ class JsonlWriter:
         self.fsync = fsync
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         # INDEX: the `<name>.index` entries of each line written (-1: none, or given up)
-        self._index_fd = os.open(index_path(self.path), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                                 0o644) if index else -1
+        self._index_fd = -1
+        if index:
+            try:
+                self._index_fd = os.open(index_path(self.path),
+                                         os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as e:  # derived: the next start-up reads the lines it lacks
+                log.warning("%s: its index cannot be opened (%s); lines are written without "
+                            "it", self.path, e)
         self._torn = False  # the file ends mid-line: the next batch starts on a new line
         try:
             self._set_aside_torn_tail()
@@ -309,8 +315,9 @@ class JsonlWriter:
         except OSError as e:
             log.warning("%s: writing its index failed (%s); start-up reads the lines it lacks "
                         "and brings it up to date", self.path, e)
-            os.close(self._index_fd)
-            self._index_fd = -1
+            fd, self._index_fd = self._index_fd, -1
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _commit(self, data: bytes) -> tuple[OSError | None, int]:
         """One write of whole lines, then one fsync: the group commit; (None, the byte offset
@@ -461,6 +468,7 @@ class IndexedFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._f = open(self.path, "rb") if self.path.exists() else None
+        self.damaged = False  # an entry named another line (`whole`)
 
     def __enter__(self) -> IndexedFile:
         return self
@@ -474,8 +482,21 @@ class IndexedFile:
             self._f = None
 
     def whole(self, entry: dict) -> dict | None:
-        """The line an index ENTRY stands for, read whole (without moving the file's position);
-        None if the file does not hold a line with its uid there."""
+        """The line an index ENTRY stands for, read whole (without moving the file's position).
+        An entry that does not name the line there (an index damaged in its middle) is looked
+        for through the file, and the index is dropped once the lines are read (the next start
+        writes it again); None if the file has no line with its uid."""
+        line = self._at(entry)
+        if line is None:
+            self.damaged = True
+            log.warning("%s: its index names line %s at byte %s, which holds another; the line "
+                        "is looked for, and the index written again at the next start",
+                        self.path, entry.get("uid"), entry.get(AT))
+            line = next((ln for _, _, _, ln in _lines(self.path, False)
+                         if ln.get("uid") == entry.get("uid")), None)
+        return line
+
+    def _at(self, entry: dict) -> dict | None:
         try:
             raw = os.pread(self._f.fileno(), entry[LENGTH], entry[AT])
             line = orjson.loads(raw) if raw.endswith(b"\n") else None
@@ -485,11 +506,14 @@ class IndexedFile:
         return line if isinstance(line, dict) and line.get("uid") == entry.get("uid") else None
 
     def lines(self) -> Iterator[tuple[int, dict]]:
-        if self._f is None:
+        ipath = index_path(self.path)
+        if self._f is None:  # no file: an index left of it names nothing
+            with contextlib.suppress(OSError):
+                ipath.unlink()
             return
-        ipath, size = index_path(self.path), os.fstat(self._f.fileno()).st_size
+        size = os.fstat(self._f.fileno()).st_size
         count, covered, kept, last = _trusted(ipath, size)
-        if last is not None and self.whole(last) is None:  # not this file's index
+        if last is not None and self._at(last) is None:  # not this file's index
             count = covered = kept = 0
         number = 0
         if count:
@@ -503,7 +527,9 @@ class IndexedFile:
                 covered += n
             yield number, line
         indexed = ipath.stat().st_size if ipath.exists() else 0
-        if kept == indexed and not entries:
+        if self.damaged:  # written again, whole, at the next start
+            kept, entries = 0, []
+        elif kept == indexed and not entries:
             return
         try:
             with open(ipath, "ab") as f:

@@ -6,6 +6,7 @@ the live files start-up reads shrink; a second run moves nothing; a data dir in 
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -125,7 +126,6 @@ def test_a_second_compaction_moves_nothing_and_a_data_dir_in_use_is_refused(
     try:
         assert main(["records", "compact", "--data-dir", str(copy), "--model", "tiny"]) == 3
     finally:
-        import os
         os.close(fd)
     assert "in use" in capsys.readouterr().err
     empty = tmp_path / "empty"
@@ -153,3 +153,35 @@ def test_serve_compact_records_compacts_before_start_up_reads_them(tiny, tmp_pat
     assert len(moved) > 200
     after = turns(data)
     assert {u: after[u] for u in before} == before and len(after) == len(before) + 1
+
+
+@pytest.mark.parametrize("dies_at", [CONVERSATIONS, SCORES])
+def test_a_compaction_that_dies_midway_loses_nothing_and_scores_nothing_again(
+        history, tmp_path, monkeypatch, dies_at):
+    """Killed at the rename of the live conversations or of the live scores (after the segment
+    and the journal are in place): start-up and train --from see what they saw before, and the
+    next compaction finishes the job."""
+    import rlproxy.compaction as compaction
+
+    data = tmp_path / "data"
+    shutil.copytree(history, data)
+    before = {"turns": turns(data), "items": items(data), "state": state(data)}
+    real = os.replace
+
+    def dies(src, dst):
+        if Path(dst).name == dies_at:
+            raise OSError(5, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(compaction.os, "replace", dies)
+    with pytest.raises(OSError):
+        compact(data, settings(data), keep_recent=KEEP_RECENT)
+    monkeypatch.setattr(compaction.os, "replace", real)
+    assert state(data) == before["state"] and items(data) == before["items"]
+    done = compact(data, settings(data), keep_recent=KEEP_RECENT)
+    [segment] = segment_dirs(data)  # the first one undone, or finished
+    assert (done["turns"] > 150) == (dies_at == CONVERSATIONS)
+    assert state(data) == before["state"] and items(data) == before["items"]
+    assert turns(data) == before["turns"]  # each turn once: in the segment or live
+    segment_uids = {r["uid"] for _, r in read_turns(segment / CONVERSATIONS)}
+    assert not [ln for _, ln in numbered_jsonl(data / SCORES) if ln["uid"] in segment_uids]

@@ -175,3 +175,25 @@ def test_a_writers_entries_name_its_lines_and_a_failed_write_leaves_none(tmp_pat
     assert [AT in line for _, line in read] == [True] * 3 + [False] * 2
     assert [(e[AT], e[LENGTH]) for e in entries(tmp_path)] == lines_of(tmp_path)
     assert [AT in line for _, line in indexed_lines(path)] == [True] * 5
+
+
+def test_an_entry_that_names_another_line_is_looked_for_and_the_index_rewritten(
+        history, expected, tmp_path, caplog):
+    """An index damaged in its middle (an entry's offset names another line): the turn is
+    found all the same, the state is the same, and the index is written again next start."""
+    lines = expected["index"].splitlines(keepends=True)
+    entries_ = [orjson.loads(ln) for ln in lines]
+    # two entries in the middle swap what they say of their lines: both still tile the file
+    i = len(lines) - 40
+    a, b = entries_[i], entries_[i + 1]
+    entries_[i], entries_[i + 1] = ({**b, AT: a[AT], LENGTH: a[LENGTH]},
+                                    {**a, AT: b[AT], LENGTH: b[LENGTH]})
+    data = copy(history, tmp_path, b"".join(orjson.dumps(e) + b"\n" for e in entries_))
+    got, want = state(data), expected["state"]
+    # the same state, but for the two turns' order in the scorer's queue (the index's order)
+    assert sorted(got.pop("unscored")) == sorted(want["unscored"])
+    assert got == {k: v for k, v in want.items() if k != "unscored"}
+    assert "which holds another" in caplog.text
+    assert not index_path(data / CONVERSATIONS).read_bytes()  # dropped: rewritten next start
+    assert state(data) == expected["state"]
+    assert index_path(data / CONVERSATIONS).read_bytes() == expected["index"]
