@@ -18,7 +18,7 @@ import requests
 from rlproxy.cli import main
 from rlproxy.compaction import compact
 from rlproxy.paths import CONVERSATIONS, PENDING, SCORES, lock_data_dir, segment_dirs
-from rlproxy.records import index_path, indexed_lines, numbered_jsonl, read_turns
+from rlproxy.records import AT, index_path, indexed_lines, numbered_jsonl, read_turns
 from rlproxy.recovery import recover
 from rlproxy.settings import load_settings
 from rlproxy.training.items import item_key, released_turns
@@ -153,6 +153,9 @@ def test_serve_compact_records_compacts_before_start_up_reads_them(tiny, tmp_pat
     assert len(moved) > 200
     after = turns(data)
     assert {u: after[u] for u in before} == before and len(after) == len(before) + 1
+    # the server's writer indexed its new line right after the compacted file's entries
+    assert [AT in line for _, line in indexed_lines(data / CONVERSATIONS)] == \
+        [True] * sum(1 for _ in numbered_jsonl(data / CONVERSATIONS))
 
 
 @pytest.mark.parametrize("dies_at", [CONVERSATIONS, SCORES])
