@@ -124,3 +124,32 @@ def test_a_cap_below_one_is_refused_at_start(value):
 
     with pytest.raises(ValueError, match="max_completion_tokens"):
         load_settings({"max_completion_tokens": int(value)}, environ={})
+
+
+def test_logit_bias_reaches_the_sampler_in_responses_and_messages(capped):
+    """Responses and Messages take Chat Completions' logit_bias (an extension, sent with the
+    SDKs' extra_body): a +100 bias on one token makes every sampled token that one, the turn
+    record keeps it, and a bad key is a 400 in each API's shape naming the field. (Before, both
+    ignored it, and the test above saw an end token ~1 run in 75.)"""
+    token = 65
+    resp = capped.client().responses.create(
+        model="m", input="hi", max_output_tokens=6, extra_body={"logit_bias": {str(token): 100}},
+        extra_headers={"X-Session-Id": "bias-responses", "X-Session-Done": "1"})
+    assert resp.usage.output_tokens == 6
+    msg = anthropic.Anthropic(base_url=capped.url, api_key="x", max_retries=0).messages.create(
+        model="m", max_tokens=6, messages=[{"role": "user", "content": "hi"}],
+        extra_body={"logit_bias": {str(token): 100}},
+        extra_headers={"X-Session-Id": "bias-messages", "X-Session-Done": "1"})
+    assert msg.usage.output_tokens == 6
+    got = {r["session_id"]: r for r in turns(capped)}
+    for sid in ("bias-responses", "bias-messages"):
+        assert got[sid]["choices"][0]["completion_ids"] == [token] * 6, sid
+    r = requests.post(capped.url + "/v1/responses", timeout=30,
+                      json={"model": "m", "input": "hi", "logit_bias": {"x": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    r = requests.post(capped.url + "/v1/messages", timeout=30,
+                      headers={"anthropic-version": "2023-06-01"},
+                      json={"model": "m", "max_tokens": 4, "logit_bias": {"1": 500},
+                            "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert "logit_bias" in r.json()["error"]["message"], r.text

@@ -111,6 +111,8 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
     stream: bool = False
+    # an extension (Messages has none): as Chat Completions' logit_bias, checked there
+    logit_bias: dict[str, Any] | None = None
 
 
 def _block(raw: dict, where: str):
@@ -287,7 +289,8 @@ def to_chat_request(req: CountTokensRequest,
                            "prompt instead", param="output_config.format")
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    stream=req.stream, user=req.metadata.user_id if req.metadata else None)
+                    stream=req.stream, user=req.metadata.user_id if req.metadata else None,
+                    logit_bias=req.logit_bias)
     return protocol.validate(ChatRequest, body, rename=anthropic_param, max_depth=max_depth)
 
 

@@ -53,6 +53,8 @@ class ResponsesRequest(protocol.SessionFields):
     user: str | None = None
     reasoning: dict[str, Any] | None = None  # accepted and ignored: the model thinks or not
     text: dict[str, Any] | None = None
+    # an extension (Responses has none): as Chat Completions' logit_bias, checked there
+    logit_bias: dict[str, Any] | None = None
 
     @field_validator("input", mode="wrap")
     @classmethod
@@ -274,6 +276,7 @@ def to_chat_request(r: ResponsesRequest, conversation: list[dict],
             "tool_choice": chat_tool_choice(r.tool_choice),
             "parallel_tool_calls": r.parallel_tool_calls, "max_tokens": r.max_output_tokens,
             "temperature": r.temperature, "top_p": r.top_p, "stream": r.stream, "user": r.user,
+            "logit_bias": r.logit_bias,
             "session_id": r.session_id, "turn_type": r.turn_type,
             "session_done": r.session_done}
     return protocol.validate(ChatRequest, body, rename=responses_param, max_depth=max_depth)
