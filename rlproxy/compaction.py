@@ -5,18 +5,18 @@ stop growing with the whole history.
 A segment is a folder `segments/NNNNNN/` with its own `conversations.jsonl` (a line that extends
 another names an offset in the same file) and `prm_scores.jsonl` (the moved turns' score,
 release and feedback lines) and `reopen.json` (each moved session's next turn index: an id
-used again numbers on). Start-up reads only a segment's reopen.json; `rlproxy train --from` and the
-trainer's resume read every segment and then the live files (training/items.py
+used again numbers on). Start-up reads only a segment's reopen.json; `rlproxy train --from`
+and the trainer's resume read every segment and then the live files (training/items.py
 `released_turns`), so training on a compacted data dir gives the same items.
 
 What stays live, read from the same state start-up builds (`recover`): a session still open in
 the scorer's ledger, with a turn pending its next state, a trainable turn not scored yet, a
 release not trained yet (training.jsonl's steps and the journal's quarantined keys are what is
 handled), a turn among the scorer's recent ones (kept whole for feedback that trains it again),
-and a session whose id matches KEEP. Everything moves, nothing is dropped: every line of the
-live files ends up either still there or in the segment, byte for byte the same record (a line
-whose parent moves to the other file is written whole, one whose parent moves with it names
-the parent's new offset). A line that cannot be read stays where it was, as it was.
+and a session whose id matches KEEP. Nothing is dropped: every line of the live files ends up
+either still there or in the segment, rebuilding to the same record (a line whose parent moves
+to the other file is written whole, one whose parent moves with it names the parent's new
+offset; score lines move byte for byte). A line that cannot be read stays where it was.
 
 Crash safety: every new file (the segment's, and the live files' replacements) is written and
 fsynced first; then the segment folder is renamed into place, and the pending journal
@@ -24,7 +24,8 @@ fsynced first; then the segment folder is renamed into place, and the pending jo
 index) and the live scores each replace their file by rename, in that order. A crash between
 two steps leaves a turn in both the segment and a live file, never in neither (readers take a
 uid once), and never a live turn without its score lines; a segment gets its COMPLETE mark
-last, and the next compaction finishes or undoes one without it (`finish_or_undo`). Offline only: the data dir must not be in use (cli.py takes its lock).
+last, and the next compaction finishes or undoes one without it (`finish_or_undo`). Offline
+only: the data dir must not be in use (cli.py takes its lock).
 """
 
 from __future__ import annotations
