@@ -8,6 +8,7 @@ import difflib
 import errno
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -114,6 +115,12 @@ def records_compact(args: argparse.Namespace) -> int:
 
     settings = load_settings({"data_dir": args.data_dir, "model": args.model})
     data_dir = settings.records.data_dir
+    if args.keep_sessions is not None:
+        try:
+            re.compile(args.keep_sessions)
+        except re.error as e:  # exit 2, in one line (main)
+            raise ValueError(f"--keep-sessions {args.keep_sessions!r} is not a regular "
+                             f"expression: {e}") from None
     if not (data_dir / CONVERSATIONS).exists():
         print(f"rlproxy: no records to compact in {data_dir}", file=sys.stderr)
         return 1
@@ -297,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--log-level", default="WARNING", metavar="LEVEL",
                    help="DEBUG, INFO, WARNING or ERROR (default: WARNING)")
     d.set_defaults(func=demo_cmd)
-    records = sub.add_parser("records", help="read the JSONL training records")
+    records = sub.add_parser("records", help="read the JSONL training records, or compact them")
     rsub = records.add_subparsers(dest="records_command", required=True)
     t = rsub.add_parser("tail", help="print recorded turns readably, with each turn's reward "
                         "and why, and the turns still waiting for their next state")

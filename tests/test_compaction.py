@@ -131,6 +131,10 @@ def test_a_second_compaction_moves_nothing_and_a_data_dir_in_use_is_refused(
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["records", "compact", "--data-dir", str(empty), "--model", "tiny"]) == 1
+    assert main(["records", "compact", "--data-dir", str(copy), "--model", "tiny",
+                 "--keep-sessions", "agent-(("]) == 2  # a usage error, in one line
+    err = capsys.readouterr().err
+    assert "--keep-sessions" in err and "Traceback" not in err, err
 
 
 def test_serve_compact_records_compacts_before_start_up_reads_them(tiny, tmp_path):
