@@ -68,7 +68,8 @@ def engine_context(settings: Settings, loaded: LoadedModel | None):
         engine = Engine(model.model, model.tokenizer.eos_token_ids,
                         max_batch=settings.engine.max_batch,
                         prefill_step_size=settings.engine.prefill_step_size,
-                        prefix_cache=prefix_cache)
+                        prefix_cache=prefix_cache, merge=settings.engine.merge_lora,
+                        speculate=settings.engine.speculate)
         engine.start()
         app[MODEL], app[ENGINE] = model, engine
         log.info("serving %s: %s (context %d tokens, BLAS: %s)", model.model_id,

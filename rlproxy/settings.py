@@ -149,6 +149,16 @@ class EngineSettings(Section):
         "all three APIs: a request that asks for more (or names none, past "
         "--default-max-tokens) gets this many; the reply then ends with `length` and the clamp "
         "is recorded (default: unset, no cap but the context)")
+    speculate: Literal["ngram", "off"] = Field(
+        "ngram", description="ngram: a request that decodes alone drafts its next tokens from "
+        "the prompt and its own completion and verifies them in one forward pass, with the same "
+        "tokens (greedy), the same distribution (sampled) and the same recorded log-probs "
+        "(serving/speculate.py); off: one token a step")
+    merge_lora: bool = Field(
+        True, description="serve the live adapter merged into the base weights (W + s*BA, "
+        "made when an adapter is published): the base model's cost per token, for a copy of "
+        "the adapted projections in memory once the adapter is trained; float32 bases only "
+        "(the CPU), not with --quantize-bits")
     reasoning_parser: Literal["auto", "none"] = Field(
         "auto", description="auto: <think> text is returned as reasoning, apart from the "
         "content; none: it stays in the content")

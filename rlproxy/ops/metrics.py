@@ -205,6 +205,19 @@ class LiveCollector:
         yield gauge("rlproxy_running_requests", "Sequences in the decode batch",
                     engine.stats.active)
         yield counter("rlproxy_decode_steps", "Batched decode steps", engine.stats.steps)
+        st = engine.stats
+        yield counter("rlproxy_spec_steps", "Forward passes of speculated lone streams "
+                      "(--speculate ngram)", st.spec_steps)
+        yield counter("rlproxy_spec_tokens", "Tokens those passes yielded (tokens per step: "
+                      "this over rlproxy_spec_steps)", st.spec_tokens)
+        yield counter("rlproxy_spec_drafted_tokens", "Tokens drafted by prompt lookup",
+                      st.spec_drafted)
+        yield counter("rlproxy_spec_accepted_tokens", "Drafted tokens accepted (acceptance "
+                      "rate: this over rlproxy_spec_drafted_tokens)", st.spec_accepted)
+        yield gauge("rlproxy_adapter_merged", "1 while the live adapter is served merged "
+                    "into the base weights (--merge-lora)", int(st.merged))
+        yield gauge("rlproxy_adapter_merged_bytes", "Memory the merged weights hold beyond "
+                    "the base", st.merged_bytes)
         if engine.prefix_cache is not None:
             yield from prefix_cache_metrics(engine.prefix_cache.health())
         store = app.get(SESSIONS)

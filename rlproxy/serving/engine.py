@@ -20,6 +20,12 @@ store refuses it once that adapter is more than N versions old.
 
 What a stored log-prob is: log-softmax of the model's logits at temperature 1 (after logit_bias
 and penalties when a request asks for them), *before* temperature, top_k and top_p.
+
+Two things make a lone stream cheaper: the live adapter is served merged (serving/merge.py: the
+merge runs on a thread of its own when an adapter is published, the engine thread only swaps
+references), and a job that starts while nothing else decodes is decoded by prompt-lookup
+speculation (serving/speculate.py, `LoneStream`) until another job wants the batch; it is then
+handed to the BatchGenerator with its KV, and decodes on there.
 """
 
 from __future__ import annotations
@@ -36,19 +42,23 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import trim_prompt_cache
 
 from rlproxy.kv.blobs import adapter_fingerprint, weights_fingerprint
 from rlproxy.kv.prefix_cache import PrefixCache
-from rlproxy.mlx_threads import mlx_thread
+from rlproxy.mlx_threads import Worker, mlx_thread
 from rlproxy.ops import metrics
 from rlproxy.serving.jobs import Job  # noqa: F401  (the engine's interface)
 from rlproxy.serving.jobs import SamplingParams  # noqa: F401  (the engine's interface)
 from rlproxy.serving.jobs import Step  # noqa: F401  (the engine's interface)
 from rlproxy.serving.jobs import Token  # noqa: F401  (the engine's interface)
 from rlproxy.serving.logprobs import chosen_logprobs, top_logprobs
+from rlproxy.serving.merge import merge_layers, merged_bytes, merged_weights, set_merged
+from rlproxy.serving.model import lora_weights
 from rlproxy.serving.named import NamedAdapters
 from rlproxy.serving.prefill import Loader, PrefillLane
 from rlproxy.serving.sampler import make_processors, make_sampler
+from rlproxy.serving.speculate import LoneStream, speculable
 
 log = logging.getLogger("rlproxy.engine")
 
@@ -67,14 +77,25 @@ class EngineStats:
     prefill_groups: int = 0  # groups of waiting prompts prefilled in one batched pass
     last_prefill_chunk_ms: float = 0.0
     max_prefill_chunk_ms: float = 0.0  # the longest a prefill held decoding up
+    merged: bool = False  # the live adapter is served merged (serving/merge.py)
+    merged_bytes: int = 0  # what the merged weights hold beyond the base
+    spec_steps: int = 0  # forward passes of speculated lone streams (serving/speculate.py)
+    spec_tokens: int = 0  # tokens they yielded
+    spec_drafted: int = 0  # tokens drafted, and of those accepted
+    spec_accepted: int = 0
 
 
 class Engine:
     """The serving model's only user. Thread-safe entry points: submit, cancel, publish_adapter."""
 
     def __init__(self, model: nn.Module, eos_token_ids, *, max_batch: int = 16,
-                 prefill_step_size: int = 2048, prefix_cache: PrefixCache | None = None):
+                 prefill_step_size: int = 2048, prefix_cache: PrefixCache | None = None,
+                 merge: bool = True, speculate: str = "ngram"):
         self.model = model
+        self._merge_layers = merge_layers(model) if merge else {}
+        self._merger: Worker | None = None
+        self.speculate = speculate
+        self._lone: LoneStream | None = None
         self.prefix_cache = prefix_cache
         self.eos_token_ids = sorted(eos_token_ids)
         self.max_batch = max_batch
@@ -98,6 +119,11 @@ class Engine:
 
     def start(self) -> None:
         self._running = True
+        if self._merge_layers:  # on the thread that loaded the model, like its arrays
+            set_merged(self._merge_layers, merged_weights(self._merge_layers,
+                                                          lora_weights(self.model)))
+            self.stats.merged, self.stats.merged_bytes = True, merged_bytes(self._merge_layers)
+            self._merger = Worker(name="rlproxy-merge")
         if self.prefix_cache is not None:
             # Before the loader's first lookup; the model's arrays are evaluated (serving/model.py).
             self.prefix_cache.set_adapter(self.adapter_version, adapter_fingerprint(self.model))
@@ -109,6 +135,8 @@ class Engine:
         if self._loader is not None:
             for job in self._loader.stop():
                 self._post("submit", job)  # failed by the engine thread on its way out
+        if self._merger is not None:
+            self._merger.stop()
         self._running = False
         self._wake.set()
         if self._thread is not None:
@@ -123,6 +151,7 @@ class Engine:
         return asdict(self.stats)
 
     def submit(self, job: Job) -> Job:
+        job.seeded = job.params.seed is not None
         if job.params.seed is None:
             job.params.seed = secrets.randbits(63)
         if self._loader is not None and job.adapter is None:
@@ -144,7 +173,18 @@ class Engine:
         # The prefix cache's key for this adapter is hashed here, on the publisher's thread,
         # not on the engine thread between two decode steps.
         fingerprint = weights_fingerprint(weights) if self.prefix_cache is not None else None
-        self._post("adapter", (weights, version, fingerprint))
+        if self._merger is None:
+            self._post("adapter", (weights, version, fingerprint, None))
+        else:  # merged there, swapped in here (in publish order: the worker runs one at a time)
+            self._merger.run(self._merge, weights, version, fingerprint)
+
+    def _merge(self, weights: dict, version: int, fingerprint) -> None:
+        try:
+            merged = merged_weights(self._merge_layers, weights)
+        except Exception:  # served unmerged: slower, the same numbers
+            log.exception("merging adapter version %d failed; serving it unmerged", version)
+            merged = None
+        self._post("adapter", (weights, version, fingerprint, merged))
 
     def add_adapter(self, name: str, model: nn.Module) -> None:
         """Serve MODEL (the serving model's base arrays with LoRA weights of its own, already
@@ -170,6 +210,9 @@ class Engine:
                     break
                 if kind == "submit" and not payload.done:
                     self._fail(payload, self.error or "the engine stopped")
+
+    def _active(self) -> int:
+        return len(self._jobs) + len(self._lane) + (self._lone is not None)
 
     # ---- the thread ----
 
@@ -207,7 +250,13 @@ class Engine:
         while self._running:
             self._drain_inbox()
             self._named.step()  # named adapters' requests: one step each, between live steps
-            self.stats.active = len(self._jobs) + len(self._lane)
+            self.stats.active = self._active()
+            if self._lone is not None:
+                if not self._jobs and not self._lane:
+                    self._lone_step()
+                    previous_version = self.adapter_version
+                    continue
+                self._hand_over()  # another job wants to decode: the batch takes both
             if not self._jobs and not self._lane:
                 if not self._named.busy():
                     self._wake.wait(timeout=0.5)
@@ -247,9 +296,13 @@ class Engine:
             elif kind == "cancel":
                 self._cancel(payload)
             elif kind == "adapter":
-                weights, version, fingerprint = payload
+                weights, version, fingerprint, merged = payload
                 tic = time.perf_counter()
                 self.model.update(_unflatten(weights))
+                if self._merge_layers:
+                    set_merged(self._merge_layers, merged)
+                    self.stats.merged = merged is not None
+                    self.stats.merged_bytes = merged_bytes(self._merge_layers)
                 if self.prefix_cache is not None:
                     self.prefix_cache.set_adapter(version, fingerprint)
                 self.adapter_version = version  # last: who sees it sees the cache switched too
@@ -276,11 +329,22 @@ class Engine:
                 job.cached_version = job.kv_source[0]
         self.stats.requests += 1
         self._lane.add(job, restored)  # prefilled when decoding has had its share
-        self.stats.active = len(self._jobs) + len(self._lane)  # the judge yields now
+        self.stats.active = self._active()  # the judge yields now
 
     def _start(self, job: Job, cache: list | None, done: int) -> bool:
-        """Hand the job to the BatchGenerator with KV for prompt_ids[:done] (or none); False
-        if it refused the job (then failed)."""
+        """Hand the job to the BatchGenerator with KV for prompt_ids[:done] (or none), or decode
+        it alone by speculation when nothing else wants to decode; True if the BatchGenerator
+        took it, False if it runs alone or was refused (then failed)."""
+        if (self.speculate == "ngram" and self._lone is None and not self._jobs
+                and not self._lane and speculable(job, job.seeded)):
+            try:
+                self._lone = LoneStream.start(self.model, job, cache, done)
+            except Exception as e:  # this prompt fails, nothing else
+                log.exception("prefill for a lone stream failed")
+                self._fail(job, f"{type(e).__name__}: {e}")
+                return False
+            if self._lone is not None:
+                return False
         p = job.params
         restored = {"caches": [cache], "all_tokens": [job.prompt_ids[:done]]} if cache else {}
         try:
@@ -335,7 +399,11 @@ class Engine:
     def _cancel(self, job: Job) -> None:
         if job.adapter is not None:
             return self._named.cancel(job)
-        if job.uid is not None and job.uid in self._jobs:
+        if self._lone is not None and self._lone.job is job:
+            lone, self._lone = self._lone, None
+            if self.prefix_cache is not None:
+                self._store(job, lone.cache, lone.kv_tokens())
+        elif job.uid is not None and job.uid in self._jobs:
             if self.prefix_cache is None:
                 self._gen.remove([job.uid])
             else:
@@ -367,6 +435,61 @@ class Engine:
                     self._store(job, r.prompt_cache, r.all_tokens)
             job.deliver(Step(token=token, finish_reason=r.finish_reason))
 
+    def _lone_step(self) -> None:
+        """One speculative step of the lone stream: its tokens delivered, the stream ended at
+        an end token or its budget."""
+        lone, job = self._lone, self._lone.job
+        version = self.adapter_version
+        try:
+            emitted = lone.step(self.model)
+        except Exception as e:  # this stream fails, nothing else
+            log.exception("speculative step failed")
+            self._lone = None
+            self._fail(job, f"{type(e).__name__}: {e}")
+            return
+        self.stats.spec_steps += 1
+        self.stats.spec_drafted, job.drafted = (self.stats.spec_drafted + lone.drafted - job.drafted,
+                                                lone.drafted)
+        self.stats.spec_accepted, job.accepted = (
+            self.stats.spec_accepted + lone.accepted - job.accepted, lone.accepted)
+        for n, e in enumerate(emitted, 1):
+            finish = ("stop" if e.token in self.eos_token_ids else
+                      "length" if lone.produced - len(emitted) + n >= job.params.max_tokens
+                      else None)
+            self.stats.tokens += 1
+            self.stats.spec_tokens += 1
+            if finish is not None:
+                self._lone = None
+                job.done = True
+                if self.prefix_cache is not None:  # the KV of every token but this last one
+                    trim_prompt_cache(lone.cache, len(emitted) - n)
+                    kept = len(job.prompt_ids) + lone.produced - len(emitted) + n - 1
+                    self._store(job, lone.cache, lone.kv_tokens()[:kept])
+            job.deliver(Step(token=Token(id=e.token, logprob=e.logprob, adapter_version=version,
+                                         top=e.top), finish_reason=finish))
+            if finish is not None:
+                return
+
+    def _hand_over(self) -> None:
+        """The lone stream joins the BatchGenerator with its KV: its unfed last token is the
+        prompt there, its budget what is left of it."""
+        lone, self._lone = self._lone, None
+        job, p = lone.job, lone.job.params
+        tokens = lone.tokens.list()
+        try:
+            (uid,) = self._gen.insert(
+                [tokens[-1:]], max_tokens=[p.max_tokens - lone.produced],
+                caches=[lone.cache], all_tokens=[tokens[:-1]],
+                samplers=[make_sampler(p.temperature, p.top_p, p.seed, p.top_k)],
+                logits_processors=[make_processors(p.logit_bias, 0.0, 0.0)],
+                stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])],
+            )
+        except Exception as e:
+            self._fail(job, f"{type(e).__name__}: {e}")
+            return
+        job.uid = uid
+        self._jobs[uid] = job
+
     def _store(self, job: Job, cache, tokens: list[int]) -> None:
         """Hand a job's KV (covering exactly `tokens`: prompt + every sampled token) to the
         prefix cache if it holds something new; the store files it under the job's oldest
@@ -387,6 +510,9 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         self._running = False
         self._named.fail_all(message)
+        if self._lone is not None:
+            job, self._lone = self._lone.job, None
+            self._fail(job, message)
         self._fail_jobs(self._jobs, message)
         for item in list(self._lane.items):
             self._lane.remove(item.job)

@@ -57,3 +57,6 @@ class Job:
     # the name is replaced or dropped before the job starts (serving/named.py)
     adapter_model: object | None = None
     restored: list | None = None  # the cached prefix's KV (loader thread -> engine thread)
+    seeded: bool = False  # the request chose its seed (set by Engine.submit)
+    drafted: int = 0  # tokens speculation drafted for it, and of those accepted (speculate.py)
+    accepted: int = 0

@@ -321,9 +321,16 @@ class ServingLoRALinear(LoRALinear):
     (x A) B as one `addmm` where x, A and B share a dtype, 3 kernels a projection where mlx-lm's
     forward takes 5 (matmul, matmul, multiply, cast, add). One decode step of the embedded tiny
     model took 1.40x the base model's with mlx-lm's forward and 1.24x with this one. The sum is
-    the same up to float rounding order; other dtypes, and training, take mlx-lm's path."""
+    the same up to float rounding order; other dtypes, and training, take mlx-lm's path. The
+    live model's layers may also hold a merged weight (serving/merge.py): one matmul, as the
+    base model's own projection."""
 
     def __call__(self, x):
+        m = getattr(self, "_merged", None)  # serving/merge.py: W + s (A B)^T, or None
+        if m is not None and m.a is self.lora_a and m.b is self.lora_b and not self.training:
+            if "bias" in self.linear:
+                return mx.addmm(self.linear.bias, x, m.weight.T)
+            return x @ m.weight.T
         y = self.linear(x)
         a, b = self.lora_a, self.lora_b
         if self.training or not x.dtype == a.dtype == b.dtype == y.dtype:

@@ -69,18 +69,28 @@ async def sample_forever(app: web.Application) -> None:
         engine = app[ENGINE]
         cache = engine.prefix_cache.stats if engine.prefix_cache is not None else None
         now = time.time()
-        point = {"t": now, "tokens": engine.stats.tokens, "hits": cache.hits if cache else 0,
-                 "lookups": cache.lookups if cache else 0}
+        st = engine.stats
+        point = {"t": now, "tokens": st.tokens, "hits": cache.hits if cache else 0,
+                 "lookups": cache.lookups if cache else 0, "spec_steps": st.spec_steps,
+                 "spec_tokens": st.spec_tokens, "drafted": st.spec_drafted,
+                 "accepted": st.spec_accepted}
         ttft = [s for t, s in list(metrics.recent_ttft) if now - t <= TTFT_WINDOW_S]
         sample = {"t": round(now, 2), "ttft_p50": percentile(ttft, 0.5),
                   "ttft_p95": percentile(ttft, 0.95), "tokens_per_s": None,
-                  "cache_hit_rate": None, "running": engine.stats.active}
+                  "cache_hit_rate": None, "running": engine.stats.active,
+                  "spec_acceptance": None, "spec_tokens_per_step": None}
         if previous is not None:
             dt = now - previous["t"]
             sample["tokens_per_s"] = round((point["tokens"] - previous["tokens"]) / dt, 2)
             lookups = point["lookups"] - previous["lookups"]
             if lookups:
                 sample["cache_hit_rate"] = round((point["hits"] - previous["hits"]) / lookups, 4)
+            if drafted := point["drafted"] - previous["drafted"]:  # speculation (lone streams)
+                sample["spec_acceptance"] = round(
+                    (point["accepted"] - previous["accepted"]) / drafted, 4)
+            if steps := point["spec_steps"] - previous["spec_steps"]:
+                sample["spec_tokens_per_step"] = round(
+                    (point["spec_tokens"] - previous["spec_tokens"]) / steps, 3)
         app[LIVE].append(sample)
         previous = point
         try:

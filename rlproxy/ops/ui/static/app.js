@@ -285,7 +285,14 @@ async function overview() {
         {...LIVE, ymin: 0, ymax: 1, empty: "no prefix-cache lookups yet"}),
       lineChart("Tokens per second", "chart-tps", [
         {name: "generated", color: "#8c564b", pts: live.map(p => [p.x, p.tokens_per_s])}],
-        {...LIVE, ymin: 0, empty: "no samples yet"})));
+        {...LIVE, ymin: 0, empty: "no samples yet"}),
+      lineChart("Speculation (lone streams)", "chart-spec", [
+        {name: "drafts accepted", color: "#9467bd",
+         pts: live.map(p => [p.x, p.spec_acceptance])},
+        {name: "tokens per step / 10", color: "#e377c2",
+         pts: live.map(p => [p.x, p.spec_tokens_per_step == null ? null
+                                  : p.spec_tokens_per_step / 10])}],
+        {...LIVE, ymin: 0, ymax: 1, empty: "no speculated streams yet (--speculate ngram)"})));
 }
 
 function sessionTable(rows, open) {
