@@ -5,6 +5,15 @@ Servers: rlproxy (`serve --no-train --no-judge`, its prefix cache on, as shipped
 `mlx-openai-server launch`. Every server gets OpenBLAS: rlproxy preloads it, the peers through
 LD_PRELOAD of the same library, so the figures compare servers, not BLAS builds.
 
+Agent outputs (`--kinds tool edit summary plain`): the same prompts on each server, a fresh
+identifier in each so no cache answers them, whose greedy answers copy from the prompt (tool
+calls that quote listed paths, a file rewritten with one change, a file summarised function by
+function) or copy nothing (`plain`, a story); `same text` says how many answers read the same as
+rlproxy's. `--rlproxy-adapter` serves rlproxy a trained-like adapter (every lora_b drawn) against
+the bare base on the peers; `--before-too` adds rlproxy as it was before both (`--speculate off
+--no-merge-lora`) side by side.
+After the rounds it prints rlproxy's speculation counters (acceptance, tokens per step).
+
 Shapes: unique prompts (a distinct opening per request: no prompt cache can answer) and a
 repeated prompt (the same text each time: fully cached after the first), of `--prompt-tokens`
 tokens each (400 and 2,000), alone and `--concurrency` at once (1, 8, 16). Each request is a
@@ -24,7 +33,8 @@ versions; their plain dependencies suffice):
 
     python bench/vs_peers.py [--peers-bin .peers/bin] [--model smollm2-135m-instruct]
         [--prompt-tokens 400 2000] [--concurrency 1 8 16] [--max-tokens 128] [--rounds 2]
-        [--same-adapter]
+        [--same-adapter | --rlproxy-adapter] [--kinds unique repeated tool edit summary plain]
+        [--before-too]
 
 By default the peers serve the bare base model while rlproxy serves it with its LoRA adapter
 (every linear layer of every block, as shipped): rlproxy does more work per token. With
@@ -55,6 +65,33 @@ import rlproxy  # noqa: E402,F401  (preloads OpenBLAS)
 from rlproxy.ops.served import free_port  # noqa: E402
 from rlproxy.serving.blas import blas_in_use  # noqa: E402
 from rlproxy.serving.model import resolve_source  # noqa: E402
+
+PATHS = ["src/handlers/{}.py", "src/models/{}.py", "tests/test_{}.py", "docs/{}.md"]
+NAMES = ["billing", "accounts", "search", "upload", "session", "report", "invoice", "audit",
+         "export", "notify", "profile", "cache"]
+
+
+def agent_text(kind: str, tag: str) -> str:
+    """A prompt whose answer copies from it, as agents' outputs do; TAG makes it unique (no
+    prompt cache answers it). `tool`: tool calls that quote paths listed in the prompt; `edit`:
+    a file rewritten with one change; `summary`: a file summarised function by function;
+    `plain`: prose that copies nothing."""
+    names = [f"{n}_{tag}" for n in NAMES]
+    code = "\n".join(f"def handle_{n}(request, store):\n    record = store.load('{n}', "
+                     f"request.user_id)\n    return render('templates/{n}.html', record)\n"
+                     for n in names)
+    if kind == "tool":
+        listing = "\n".join(p.format(n) for n in names for p in PATHS)
+        return (f"Repository files:\n{listing}\n\nCall read_file on every file under "
+                "src/handlers/, one call per line, written as read_file(path=\"...\").")
+    if kind == "edit":
+        return (f"Here is app/views.py:\n```python\n{code}```\nRewrite the whole file with "
+                "`store.load` renamed to `store.fetch`. Output only the file.")
+    if kind == "summary":
+        return (f"Here is app/views.py:\n```python\n{code}```\nFor each function, give its "
+                "name, the store key it loads and the template it renders.")
+    return f"Write a long story about a lighthouse keeper named {tag}."
+
 
 FILLER = ("The committee reviewed the quarterly figures for the northern warehouse, noting "
           "that shipments of copper fittings rose while orders for timber fell. ")
@@ -119,11 +156,12 @@ def stream(url: str, model: str, text: str, max_tokens: int) -> dict:
 
 
 def _stream_once(url: str, model: str, text: str, max_tokens: int) -> dict:
+    """(TTFT, completion tokens, seconds, the text)."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": text}]}
     tic = time.perf_counter()
-    ttft, deltas, usage = None, 0, None
+    ttft, deltas, usage, content = None, 0, None, []
     with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=900) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -135,9 +173,11 @@ def _stream_once(url: str, model: str, text: str, max_tokens: int) -> dict:
             for choice in chunk.get("choices") or []:
                 if (choice.get("delta") or {}).get("content"):
                     deltas += 1
+                    content.append(choice["delta"]["content"])
                     if ttft is None:
                         ttft = time.perf_counter() - tic
-    return {"ttft_s": ttft, "tokens": usage or deltas, "s": time.perf_counter() - tic}
+    return {"ttft_s": ttft, "tokens": usage or deltas, "s": time.perf_counter() - tic,
+            "text": "".join(content)}
 
 
 def round_of(url: str, model: str, texts: list[str], max_tokens: int) -> dict:
@@ -168,6 +208,16 @@ def main() -> None:
     p.add_argument("--only", nargs="+", help="run only these servers (rlproxy always)")
     p.add_argument("--same-adapter", action="store_true",
                    help="serve one LoRA adapter on rlproxy and mlx_lm.server (equal work)")
+    p.add_argument("--rlproxy-adapter", action="store_true",
+                   help="rlproxy serves a trained-like adapter (every lora_b drawn), the peers "
+                   "the bare base: what a user with a trained adapter pays")
+    p.add_argument("--kinds", nargs="+", default=["unique", "repeated"],
+                   choices=["unique", "repeated", "tool", "edit", "summary", "plain"],
+                   help="unique/repeated: filler prompts of --prompt-tokens; tool, edit, "
+                   "summary: agent outputs that copy from the prompt; plain: prose")
+    p.add_argument("--before-too", action="store_true",
+                   help="also run rlproxy as it was before speculation and the merged adapter "
+                   "(--speculate off --no-merge-lora: rlproxy_before), side by side")
     p.add_argument("--out", type=Path, default=Path("bench/results/vs_peers.json"))
     a = p.parse_args()
     from transformers import AutoTokenizer
@@ -180,33 +230,55 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLPROXY_")}
     env["LD_PRELOAD"] = blas.split("(", 1)[1].rstrip(")")  # the peers' BLAS: the same library
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    ports = {n: free_port() for n in ("rlproxy", "mlx_lm", "vllm_mlx", "mlx_openai")}
-    adapter = (write_adapter(a.model, a.out.parent / "vs_peers_adapter") if a.same_adapter
-               else None)
-    wanted = commands(a.peers_bin, model_dir, ports, a.out.parent / "vs_peers_data", adapter)
+    ports = {n: free_port() for n in ("rlproxy", "mlx_lm", "vllm_mlx", "mlx_openai",
+                                      "rlproxy_before")}
+    adapter = (write_adapter(a.model, a.out.parent / "vs_peers_adapter")
+               if a.same_adapter or a.rlproxy_adapter else None)
+    wanted = commands(a.peers_bin, model_dir, ports, a.out.parent / "vs_peers_data",
+                      adapter if a.same_adapter else None)
+    if a.rlproxy_adapter:
+        wanted["rlproxy"] += ["--adapter", str(adapter)]
+    if a.before_too:
+        before = list(wanted["rlproxy"])
+        before[before.index("--port") + 1] = str(ports["rlproxy_before"])
+        before[before.index("--data-dir") + 1] += "_before"
+        wanted["rlproxy_before"] = before + ["--speculate", "off", "--no-merge-lora"]
     if a.only:
-        wanted = {n: c for n, c in wanted.items() if n == "rlproxy" or n in a.only}
+        wanted = {n: c for n, c in wanted.items() if n.startswith("rlproxy") or n in a.only}
     logs = {n: a.out.parent / f"vs_peers_{n}.log" for n in wanted}
     procs = {n: start(c, env, logs[n]) for n, c in wanted.items()}
     urls = {n: f"http://127.0.0.1:{ports[n]}" for n in procs}
     result = {"model": a.model, "dir": model_dir, "blas": blas, "max_tokens": a.max_tokens,
-              "adapter": {"rlproxy": "served", "peers": "the same" if adapter else "none"},
+              "adapter": {"rlproxy": "drawn" if adapter else "fresh (version 0)",
+                          "peers": "the same" if a.same_adapter else "none"},
               "servers": {n: " ".join(c) for n, c in wanted.items()},
               "load_before": os.getloadavg()[0], "shapes": []}
     # The name each server is asked for. mlx_lm.server applies --adapter-path only to the model
     # it calls "default_model"; asked for the directory, it serves the bare base.
-    names = {n: "default_model" if adapter and n == "mlx_lm" else model_dir for n in procs}
+    names = {n: "default_model" if a.same_adapter and n == "mlx_lm" else model_dir
+             for n in procs}
     try:
         for n in procs:
             wait_ready(urls[n], procs[n], logs[n])
             stream(urls[n], names[n], "warm up", 8)  # first-call compilation and allocation
-        if adapter:
+        if a.same_adapter:
             same_greedy_text(urls, names)
-        for tokens in a.prompt_tokens:
+        for kind in [k for k in a.kinds if k not in ("unique", "repeated")]:
+            for c in a.concurrency:
+                shape = {"prompt_tokens": None, "kind": kind, "concurrency": c,
+                         "rounds": {n: [] for n in procs}}
+                for r in range(a.rounds):
+                    texts = [agent_text(kind, f"{r}{i}{uuid.uuid4().hex[:4]}") for i in range(c)]
+                    for n in procs:  # the same prompts on each server: their texts compare
+                        shape["rounds"][n].append(round_of(urls[n], names[n], texts,
+                                                           a.max_tokens))
+                summarise(shape)
+                result["shapes"].append(shape)
+        for tokens in [t for t in a.prompt_tokens if {"unique", "repeated"} & set(a.kinds)]:
             repeated = prompt_text(tokenizer, tokens, "A fixed report.")
             for n in procs:  # the repeated prompt, cached once per server before it counts
                 stream(urls[n], names[n], repeated, 4)
-            for kind in ("unique", "repeated"):
+            for kind in [k for k in ("unique", "repeated") if k in a.kinds]:
                 for c in a.concurrency:
                     shape = {"prompt_tokens": tokens, "kind": kind, "concurrency": c,
                              "rounds": {n: [] for n in procs}}
@@ -219,6 +291,8 @@ def main() -> None:
                                                                a.max_tokens))
                     summarise(shape)
                     result["shapes"].append(shape)
+        result["rlproxy_speculation"] = speculation(urls["rlproxy"])
+        print("rlproxy speculation:", result["rlproxy_speculation"])
     finally:
         stop_all(procs.values())
     result["load_after"] = os.getloadavg()[0]
@@ -226,6 +300,18 @@ def main() -> None:
           f"{result['load_before']:.1f} -> {result['load_after']:.1f}")
     a.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {a.out}")
+
+
+def speculation(url: str) -> dict:
+    """rlproxy's speculation counters (/metrics): acceptance rate and tokens per step."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    c = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+         if line.startswith("rlproxy_spec_")}
+    steps, drafted = c.get("rlproxy_spec_steps_total", 0), c.get(
+        "rlproxy_spec_drafted_tokens_total", 0)
+    return {"steps": steps, "tokens_per_step": c.get("rlproxy_spec_tokens_total", 0) / steps
+            if steps else None, "acceptance": c.get("rlproxy_spec_accepted_tokens_total", 0)
+            / drafted if drafted else None}
 
 
 def same_greedy_text(urls: dict, names: dict) -> None:
@@ -256,14 +342,21 @@ def summarise(shape: dict) -> None:
         f["ttft_ratio"] = mine["ttft_s"] / f["ttft_s"] if f["ttft_s"] else None
         f["request_s_ratio"] = mine["request_s"] / f["request_s"]
     shape["figures"] = figures
-    head = f"{shape['prompt_tokens']:5d} tok {shape['kind']:8s} x{shape['concurrency']:<3d}"
+    # greedy everywhere: the same prompt must give the same text on each server
+    texts = {n: [r["text"] for x in rounds for r in x["requests"]]
+             for n, rounds in shape["rounds"].items()}
+    shape["same_text"] = {n: sum(a == b for a, b in zip(t, texts["rlproxy"])) / len(t)
+                          for n, t in texts.items() if n != "rlproxy"}
+    size = f"{shape['prompt_tokens']:5d} tok" if shape["prompt_tokens"] else "agent    "
+    head = f"{size} {shape['kind']:8s} x{shape['concurrency']:<3d}"
     parts = [f"rlproxy {mine['tok_s']:6.1f} tok/s ttft {mine['ttft_s'] * 1000:6.0f} ms "
              f"request {mine['request_s']:5.2f} s"]
     for n, f in figures.items():
         if n != "rlproxy":
             parts.append(f"{n} {f['tok_s']:6.1f} tok/s ({f['tok_s_ratio']:.2f}x) ttft "
                          f"{f['ttft_s'] * 1000:6.0f} ms ({f['ttft_ratio']:.2f}x) request "
-                         f"{f['request_s']:5.2f} s ({f['request_s_ratio']:.2f}x)")
+                         f"{f['request_s']:5.2f} s ({f['request_s_ratio']:.2f}x) same text "
+                         f"{shape['same_text'][n]:.0%}")
     print(head + " | " + " | ".join(parts), flush=True)
 
 

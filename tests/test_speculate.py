@@ -133,6 +133,35 @@ def test_a_stream_handed_to_the_batch_goes_on_as_if_it_had_decoded_there(engines
     assert second["out"][0] == run(off, other, max_tokens=16, temperature=0.0)[0]
 
 
+def test_the_last_job_left_in_the_batch_decodes_alone_again(engines, tiny):
+    """Two requests start together (the batch takes both); once the short one ends, the long
+    one leaves the batch with its KV and speculates, with the tokens it would have had."""
+    on, off = engines
+    prompt = tiny.tokenizer.apply_chat_template(COPY_MESSAGES, add_generation_prompt=True)
+    other = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}],
+                                               add_generation_prompt=True)
+    results = {}
+    # an engine not started yet: both jobs wait in its inbox, and start as one batch
+    fresh = Engine(tiny.model, tiny.tokenizer.eos_token_ids, speculate="ngram")
+    threads = [threading.Thread(target=lambda k=k, pr=pr, n=n: results.update(
+        {k: run(fresh, pr, max_tokens=n, temperature=0.0)}))
+        for k, pr, n in (("long", prompt, 120), ("short", other, 4))]
+    for t in threads:
+        t.start()
+    import time
+    time.sleep(0.5)
+    fresh.start()
+    try:
+        for t in threads:
+            t.join(120)
+        assert fresh.stats.steps > 0 and fresh.stats.spec_steps > 0, fresh.stats
+        ids_off, lps_off, _ = run(off, prompt, max_tokens=120, temperature=0.0)
+        assert results["long"][0] == ids_off
+        assert max(abs(a - b) for a, b in zip(results["long"][1], lps_off)) < 1e-4
+    finally:
+        fresh.stop()
+
+
 def test_a_budget_ends_a_speculated_stream_exactly(engines, tiny):
     on, _ = engines
     prompt = tiny.tokenizer.apply_chat_template(COPY_MESSAGES, add_generation_prompt=True)

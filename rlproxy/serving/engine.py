@@ -21,9 +21,9 @@ store refuses it once that adapter is more than N versions old.
 What a stored log-prob is: log-softmax of the model's logits at temperature 1 (after logit_bias
 and penalties when a request asks for them), *before* temperature, top_k and top_p.
 
-Two things make a lone stream cheaper: the live adapter is served merged (serving/merge.py: the
-merge runs on a thread of its own when an adapter is published, the engine thread only swaps
-references), and a job that starts while nothing else decodes is decoded by prompt-lookup
+Two things make a lone stream cheaper: the live adapter is served merged (serving/merge.py: an
+adapter is applied in inbox order as before, unmerged; its merge, made on a thread of its own,
+follows as a second message, and the engine thread only swaps references), and a job that starts while nothing else decodes is decoded by prompt-lookup
 speculation (serving/speculate.py, `LoneStream`) until another job wants the batch; it is then
 handed to the BatchGenerator with its KV, and decodes on there.
 """
@@ -173,18 +173,19 @@ class Engine:
         # The prefix cache's key for this adapter is hashed here, on the publisher's thread,
         # not on the engine thread between two decode steps.
         fingerprint = weights_fingerprint(weights) if self.prefix_cache is not None else None
-        if self._merger is None:
-            self._post("adapter", (weights, version, fingerprint, None))
-        else:  # merged there, swapped in here (in publish order: the worker runs one at a time)
-            self._merger.run(self._merge, weights, version, fingerprint)
+        # applied in order with the jobs submitted around it, served unmerged at first; the
+        # merged form follows from the merger thread (the same numbers, the base's speed)
+        self._post("adapter", (weights, version, fingerprint))
+        if self._merger is not None:
+            self._merger.run(self._merge, weights, version)
 
-    def _merge(self, weights: dict, version: int, fingerprint) -> None:
+    def _merge(self, weights: dict, version: int) -> None:
         try:
             merged = merged_weights(self._merge_layers, weights)
         except Exception:  # served unmerged: slower, the same numbers
             log.exception("merging adapter version %d failed; serving it unmerged", version)
-            merged = None
-        self._post("adapter", (weights, version, fingerprint, merged))
+            return
+        self._post("merged", (version, merged))
 
     def add_adapter(self, name: str, model: nn.Module) -> None:
         """Serve MODEL (the serving model's base arrays with LoRA weights of its own, already
@@ -287,6 +288,8 @@ class Engine:
             if responses:
                 self._deliver(responses, previous_version)
             previous_version = self.adapter_version
+            if len(self._jobs) == 1 and not self._lane and self.speculate == "ngram":
+                self._take_back()  # the last one left decodes alone again
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -295,14 +298,19 @@ class Engine:
                 self._insert(payload)
             elif kind == "cancel":
                 self._cancel(payload)
+            elif kind == "merged":  # a merge of the adapter now served; an older one is dropped
+                version, merged = payload
+                if version == self.adapter_version:
+                    set_merged(self._merge_layers, merged)
+                    self.stats.merged = True
+                    self.stats.merged_bytes = merged_bytes(self._merge_layers)
             elif kind == "adapter":
-                weights, version, fingerprint, merged = payload
+                weights, version, fingerprint = payload
                 tic = time.perf_counter()
                 self.model.update(_unflatten(weights))
-                if self._merge_layers:
-                    set_merged(self._merge_layers, merged)
-                    self.stats.merged = merged is not None
-                    self.stats.merged_bytes = merged_bytes(self._merge_layers)
+                if self._merge_layers:  # unmerged until its merge arrives
+                    set_merged(self._merge_layers, None)
+                    self.stats.merged, self.stats.merged_bytes = False, 0
                 if self.prefix_cache is not None:
                     self.prefix_cache.set_adapter(version, fingerprint)
                 self.adapter_version = version  # last: who sees it sees the cache switched too
@@ -424,6 +432,7 @@ class Engine:
         chosen = chosen_logprobs([r.logprobs for r in live], [r.token for r in live])
         for r, logprob in zip(live, chosen):
             job = self._jobs[r.uid]
+            job.produced += 1
             k = job.params.top_logprobs
             token = Token(id=r.token, logprob=logprob, adapter_version=version,
                           top=top_logprobs(r.logprobs, k) if k else None)
@@ -469,6 +478,25 @@ class Engine:
                                          top=e.top), finish_reason=finish))
             if finish is not None:
                 return
+
+    def _take_back(self) -> None:
+        """The batch's last job leaves it to decode alone, with its KV, if it may speculate and
+        has a token out (so it is past its prefill); else it stays."""
+        ((uid, job),) = self._jobs.items()
+        if job.done or not job.produced or not speculable(job, job.seeded):
+            return
+        try:
+            cache, tokens = self._gen.extract_cache([uid])[uid]
+            lone = LoneStream.resume(job, list(cache), list(tokens))
+        except Exception:  # it decodes on in the batch
+            log.exception("taking a stream back from the batch failed")
+            return
+        if lone is None:
+            return
+        self._gen.remove([uid])
+        del self._jobs[uid]
+        job.uid = None
+        self._lone = lone
 
     def _hand_over(self) -> None:
         """The lone stream joins the BatchGenerator with its KV: its unfed last token is the

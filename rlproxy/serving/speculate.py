@@ -25,7 +25,8 @@ Who speculates (`speculable`): a job of the live adapter, starting while nothing
 without presence/frequency penalties (their counts run over the completion: those requests take
 the batched path), and at temperature 0 or without a `seed` of its own (a seeded sampled request
 keeps its promise: the same tokens whatever else runs). The engine hands the stream over to its
-BatchGenerator as soon as another job wants to decode (`LoneStream.hand_over`).
+BatchGenerator as soon as another job wants to decode, and takes a job back from the batch when
+it is the last one left (`LoneStream.resume`).
 """
 
 from __future__ import annotations
@@ -135,9 +136,26 @@ class LoneStream:
         if done < len(ids) - 1:
             model(mx.array(ids[done:-1])[None], cache=cache)
             mx.eval([c.state for c in cache])
+        return cls.made(job, cache, ids, 0)
+
+    @classmethod
+    def resume(cls, job: Job, cache: list, tokens: list[int]) -> "LoneStream | None":
+        """A job taken back from the batch: CACHE holds the KV of TOKENS (its prompt and every
+        token delivered); the last of them becomes the next step's input. None when the cache
+        cannot be trimmed or does not match."""
+        produced = len(tokens) - len(job.prompt_ids)
+        if not can_trim_prompt_cache(cache) or produced < 1 or cache[0].offset != len(tokens):
+            return None
+        trim_prompt_cache(cache, 1)
+        return cls.made(job, cache, tokens, produced)
+
+    @classmethod
+    def made(cls, job: Job, cache: list, tokens: list[int], produced: int) -> "LoneStream":
         p = job.params
-        key = None if p.temperature == 0 else mx.random.key((p.seed + _KEY_OFFSET) % 2**64)
-        return cls(job, cache, Tokens(ids), key=key,
+        # its own draws, apart from the batched sampler's; a stream resumed again draws anew
+        key = None if p.temperature == 0 else mx.random.key(
+            (p.seed + _KEY_OFFSET + produced) % 2**64)
+        return cls(job, cache, Tokens(tokens), produced=produced, key=key,
                    processors=make_processors(p.logit_bias, 0.0, 0.0))
 
     def step(self, model) -> list[Emitted]:
