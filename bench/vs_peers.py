@@ -193,7 +193,8 @@ def round_of(url: str, model: str, texts: list[str], max_tokens: int) -> dict:
         t.join()
     wall = time.perf_counter() - tic
     return {"wall_s": wall, "tok_s": sum(r["tokens"] for r in results) / wall,
-            "ttft_s": statistics.median(r["ttft_s"] for r in results if r["ttft_s"]),
+            "ttft_s": statistics.median([r["ttft_s"] for r in results if r["ttft_s"]] or [0.0])
+            or None,  # None: no request streamed any content
             "requests": results}
 
 
@@ -334,12 +335,13 @@ def summarise(shape: dict) -> None:
     for n, rounds in shape["rounds"].items():
         tok_s = sum(sum(r["tokens"] for r in x["requests"]) for x in rounds) / sum(
             x["wall_s"] for x in rounds)
-        figures[n] = {"tok_s": tok_s, "ttft_s": statistics.median(x["ttft_s"] for x in rounds),
+        ttfts = [x["ttft_s"] for x in rounds if x["ttft_s"]]
+        figures[n] = {"tok_s": tok_s, "ttft_s": statistics.median(ttfts) if ttfts else None,
                       "request_s": statistics.mean(r["s"] for x in rounds for r in x["requests"])}
     mine = figures["rlproxy"]
     for n, f in figures.items():
         f["tok_s_ratio"] = mine["tok_s"] / f["tok_s"] if f["tok_s"] else None
-        f["ttft_ratio"] = mine["ttft_s"] / f["ttft_s"] if f["ttft_s"] else None
+        f["ttft_ratio"] = mine["ttft_s"] / f["ttft_s"] if f["ttft_s"] and mine["ttft_s"] else None
         f["request_s_ratio"] = mine["request_s"] / f["request_s"]
     shape["figures"] = figures
     # greedy everywhere: the same prompt must give the same text on each server
@@ -349,12 +351,17 @@ def summarise(shape: dict) -> None:
                           for n, t in texts.items() if n != "rlproxy"}
     size = f"{shape['prompt_tokens']:5d} tok" if shape["prompt_tokens"] else "agent    "
     head = f"{size} {shape['kind']:8s} x{shape['concurrency']:<3d}"
-    parts = [f"rlproxy {mine['tok_s']:6.1f} tok/s ttft {mine['ttft_s'] * 1000:6.0f} ms "
+    def ms(x):
+        return f"{x * 1000:6.0f} ms" if x else "  none"
+
+    def ratio(x):
+        return f"{x:.2f}x" if x else "-"
+    parts = [f"rlproxy {mine['tok_s']:6.1f} tok/s ttft {ms(mine['ttft_s'])} "
              f"request {mine['request_s']:5.2f} s"]
     for n, f in figures.items():
         if n != "rlproxy":
             parts.append(f"{n} {f['tok_s']:6.1f} tok/s ({f['tok_s_ratio']:.2f}x) ttft "
-                         f"{f['ttft_s'] * 1000:6.0f} ms ({f['ttft_ratio']:.2f}x) request "
+                         f"{ms(f['ttft_s'])} ({ratio(f['ttft_ratio'])}) request "
                          f"{f['request_s']:5.2f} s ({f['request_s_ratio']:.2f}x) same text "
                          f"{shape['same_text'][n]:.0%}")
     print(head + " | " + " | ".join(parts), flush=True)

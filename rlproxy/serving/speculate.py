@@ -163,7 +163,8 @@ class LoneStream:
         one), the cache trimmed to them."""
         p = self.job.params
         left = p.max_tokens - self.produced
-        drafts = draft(self.tokens, min(DRAFT_MAX, left - 1))
+        # the first token alone: its time is the time to first token, kept as the batch's
+        drafts = draft(self.tokens, min(DRAFT_MAX, left - 1)) if self.produced else []
         inputs = [int(self.tokens.buf[self.tokens.n - 1])] + drafts
         logits = model(mx.array(inputs)[None], cache=self.cache)[0]
         for processor in self.processors:
