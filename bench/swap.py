@@ -457,6 +457,8 @@ def summary_lines(result: dict) -> list[str]:
             f"{p['no_swap_control_ms']['p99']:+.2f} ms; step gap p50 "
             f"{p['step_gap_ms']['p50']:.2f} ms (goal <= {PAUSE_GOAL_MS} ms: {verdict[p['met']]})",
         ]
+    if d is None:  # --swap-only
+        return lines
     for duty in (0.5, 1.0):
         x = d[f"duty_{duty}"]
         lines.append(
@@ -496,7 +498,7 @@ def run(args: argparse.Namespace) -> dict:
                 args.swaps, args.swap_interval)
             swap_cached = measure_swap_with_prefix_cache(
                 loaded, settings, prompt_ids, eos, args, Path(tmp))
-            decode = measure_decode(
+            decode = None if args.swap_only else measure_decode(
                 engine, loaded, Clients(engine, prompt_ids, args.clients, 256, eos), turns,
                 prompt_ids, args.size, args.rounds, args.window, args.warm, Path(tmp))
         finally:
@@ -505,8 +507,8 @@ def run(args: argparse.Namespace) -> dict:
             engine.stop()
         if engine.error:
             raise RuntimeError(f"the engine thread died: {engine.error}")
-        steps = measure_steps(loaded, turns, prompt_ids, args.size, args.repeats, args.warmup,
-                              Path(tmp))
+        steps = None if args.swap_only else measure_steps(
+            loaded, turns, prompt_ids, args.size, args.repeats, args.warmup, Path(tmp))
     return {
         **environment(args.size, load_before, loaded.model_id, settings.model_dump(mode="json")),
         "prompt_tokens": len(prompt_ids),
@@ -531,6 +533,8 @@ def main() -> None:
                         help="tokens per training completion")
     parser.add_argument("--repeats", type=int, default=11, help="steps: timed PPO/SFT pairs")
     parser.add_argument("--warmup", type=int, default=2, help="steps: untimed PPO/SFT pairs")
+    parser.add_argument("--swap-only", action="store_true",
+                        help="measure the swap pause only (part 1), not decode or steps")
     parser.add_argument("--out", type=Path, default=Path("bench/results/swap.json"))
     args = parser.parse_args()
     result = run(args)
