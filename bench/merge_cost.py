@@ -4,7 +4,7 @@ A trained-like adapter (rlproxy's default LoRA layers, every lora_b drawn) on th
 Alternating, one decode step of one sequence (one token after a 500-token KV cache, evaluated):
 the LoRA layers unmerged (what every step paid before), the same layers merged, and the bare
 base model (no adapter; version 0 serves exactly this when merged). Also: the merge's own time
-(it runs on the engine's merger thread, not between decode steps), the memory the merged
+(it runs on the publisher's thread, the trainer's, not between decode steps), the memory the merged
 weights hold beyond the base, and the largest log-prob difference between the merged and
 unmerged forwards over 200 positions.
 
@@ -87,7 +87,7 @@ def main() -> None:
           f"cache, median of {a.steps}): unmerged {med['unmerged']:.2f} ms, merged "
           f"{med['merged']:.2f} ms ({med['merged'] / med['unmerged']:.2f}x), base "
           f"{med['base']:.2f} ms (merged / base {med['merged'] / med['base']:.2f}x)")
-    print(f"merge: {result['merge_s_median'] * 1000:.0f} ms on its own thread; merged weights "
+    print(f"merge: {result['merge_s_median'] * 1000:.0f} ms on the publisher's thread; merged weights "
           f"{result['merged_bytes'] / 2**20:.0f} MiB beyond the base (the adapted projections "
           f"again, float32); merged vs unmerged log-probs: max diff "
           f"{result['max_logprob_diff']:.2e}")

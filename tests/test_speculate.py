@@ -32,9 +32,9 @@ COPY_MESSAGES = [{"role": "user", "content": "Here is the file:\n" + CODE +
                   "\nRepeat the file exactly."}]
 
 
-def run(engine, prompt, done_after=None, **params):
-    """(token ids, log-probs, finish reason, steps) of one job; DONE_AFTER: (n, callback)
-    calls callback once n tokens have arrived."""
+def run(engine, prompt, done_after=None, jobs=None, **params):
+    """(token ids, log-probs, steps) of one job; DONE_AFTER: (n, callback) calls callback once
+    n tokens have arrived; JOBS: a list the job is appended to."""
     done, steps = threading.Event(), []
 
     def deliver(step):
@@ -45,6 +45,8 @@ def run(engine, prompt, done_after=None, **params):
             done.set()
 
     job = Job(list(prompt), SamplingParams(**params), deliver)
+    if jobs is not None:
+        jobs.append(job)
     engine.submit(job)
     assert done.wait(300) and steps[-1].error is None, steps[-1].error
     return [s.token.id for s in steps], [s.token.logprob for s in steps], steps
@@ -123,11 +125,13 @@ def test_a_stream_handed_to_the_batch_goes_on_as_if_it_had_decoded_there(engines
         t.start()
         second["thread"] = t
 
-    steps_before = on.stats.steps
-    ids_on, lps_on, _ = run(on, prompt, done_after=(10, join), max_tokens=120, temperature=0.0)
+    first = []
+    ids_on, lps_on, _ = run(on, prompt, done_after=(10, join), jobs=first, max_tokens=120,
+                            temperature=0.0)
     second["thread"].join(60)
     ids_off, lps_off, _ = run(off, prompt, max_tokens=120, temperature=0.0)
-    assert on.stats.steps > steps_before, "the stream never reached the batch"
+    assert first[0].drafted > 0, "the stream never speculated"
+    assert first[0].produced > 0, "the stream never reached the batch"  # tokens out of it
     assert ids_on == ids_off and len(ids_on) == 120
     assert max(abs(a - b) for a, b in zip(lps_on, lps_off)) < 1e-4
     assert second["out"][0] == run(off, other, max_tokens=16, temperature=0.0)[0]
@@ -141,7 +145,8 @@ def test_the_last_job_left_in_the_batch_decodes_alone_again(engines, tiny):
     other = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}],
                                                add_generation_prompt=True)
     results = {}
-    # an engine not started yet: both jobs wait in its inbox, and start as one batch
+    # an engine not started yet: both jobs wait in its inbox, and start as one batch (a
+    # group of two: neither runs alone)
     fresh = Engine(tiny.model, tiny.tokenizer.eos_token_ids, speculate="ngram")
     threads = [threading.Thread(target=lambda k=k, pr=pr, n=n: results.update(
         {k: run(fresh, pr, max_tokens=n, temperature=0.0)}))
@@ -168,6 +173,24 @@ def test_a_budget_ends_a_speculated_stream_exactly(engines, tiny):
     for n in (1, 2, 7):
         ids, _, steps = run(on, prompt, max_tokens=n, temperature=0.0)
         assert len(ids) == n and steps[-1].finish_reason == "length"
+
+
+def test_a_step_never_drafts_past_the_budget_and_keeps_the_kv_in_step(tiny):
+    """LoneStream itself: each step yields at most what is left of the budget, and the KV
+    always holds every token but the last."""
+    from rlproxy.serving.speculate import LoneStream
+
+    prompt = tiny.tokenizer.apply_chat_template(COPY_MESSAGES, add_generation_prompt=True)
+    for budget in (3, 9, 40):
+        lone = LoneStream.start(tiny.model, Job(list(prompt), Params(
+            max_tokens=budget, temperature=0.0), lambda s: None), None, 0)
+        drafted = 0
+        while lone.produced < budget:
+            lone.step(tiny.model)
+            drafted += lone.last_drafted
+            assert lone.produced <= budget
+            assert lone.cache[0].offset == len(prompt) + lone.produced - 1
+        assert drafted > 0 or budget < 9, "nothing drafted: the cap was never tested"
 
 
 @pytest.mark.real_model
@@ -318,7 +341,7 @@ def test_the_merged_adapter_serves_the_unmerged_log_probs(own):
     assert mx.abs(unmerged - plain).max().item() > 1e-2  # the adapter changes them
 
 
-def test_a_published_adapter_is_served_merged_off_the_engine_thread(own):
+def test_a_published_adapter_is_served_merged_from_its_first_step(own):
     engine = Engine(own.model, own.tokenizer.eos_token_ids, speculate="off")
     engine.start()
     try:

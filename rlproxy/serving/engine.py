@@ -21,9 +21,9 @@ store refuses it once that adapter is more than N versions old.
 What a stored log-prob is: log-softmax of the model's logits at temperature 1 (after logit_bias
 and penalties when a request asks for them), *before* temperature, top_k and top_p.
 
-Two things make a lone stream cheaper: the live adapter is served merged (serving/merge.py: an
-adapter is applied in inbox order as before, unmerged; its merge, made on a thread of its own,
-follows as a second message, and the engine thread only swaps references), and a job that starts while nothing else decodes is decoded by prompt-lookup
+Two things make a lone stream cheaper: the live adapter is served merged (serving/merge.py: the
+merge is made by `publish_adapter` on the publisher's thread, the trainer's, and the engine
+thread only swaps references between two steps), and a job that starts while nothing else decodes is decoded by prompt-lookup
 speculation (serving/speculate.py, `LoneStream`) until another job wants the batch; it is then
 handed to the BatchGenerator with its KV, and decodes on there.
 """
@@ -46,7 +46,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from rlproxy.kv.blobs import adapter_fingerprint, weights_fingerprint
 from rlproxy.kv.prefix_cache import PrefixCache
-from rlproxy.mlx_threads import Worker, mlx_thread
+from rlproxy.mlx_threads import mlx_thread
 from rlproxy.ops import metrics
 from rlproxy.serving.jobs import Job  # noqa: F401  (the engine's interface)
 from rlproxy.serving.jobs import SamplingParams  # noqa: F401  (the engine's interface)
@@ -93,7 +93,6 @@ class Engine:
                  merge: bool = True, speculate: str = "ngram"):
         self.model = model
         self._merge_layers = merge_layers(model) if merge else {}
-        self._merger: Worker | None = None
         self.speculate = speculate
         self._lone: LoneStream | None = None
         self.prefix_cache = prefix_cache
@@ -123,7 +122,6 @@ class Engine:
             set_merged(self._merge_layers, merged_weights(self._merge_layers,
                                                           lora_weights(self.model)))
             self.stats.merged, self.stats.merged_bytes = True, merged_bytes(self._merge_layers)
-            self._merger = Worker(name="rlproxy-merge")
         if self.prefix_cache is not None:
             # Before the loader's first lookup; the model's arrays are evaluated (serving/model.py).
             self.prefix_cache.set_adapter(self.adapter_version, adapter_fingerprint(self.model))
@@ -135,8 +133,6 @@ class Engine:
         if self._loader is not None:
             for job in self._loader.stop():
                 self._post("submit", job)  # failed by the engine thread on its way out
-        if self._merger is not None:
-            self._merger.stop()
         self._running = False
         self._wake.set()
         if self._thread is not None:
@@ -173,19 +169,15 @@ class Engine:
         # The prefix cache's key for this adapter is hashed here, on the publisher's thread,
         # not on the engine thread between two decode steps.
         fingerprint = weights_fingerprint(weights) if self.prefix_cache is not None else None
-        # applied in order with the jobs submitted around it, served unmerged at first; the
-        # merged form follows from the merger thread (the same numbers, the base's speed)
-        self._post("adapter", (weights, version, fingerprint))
-        if self._merger is not None:
-            self._merger.run(self._merge, weights, version)
-
-    def _merge(self, weights: dict, version: int) -> None:
-        try:
-            merged = merged_weights(self._merge_layers, weights)
-        except Exception:  # served unmerged: slower, the same numbers
-            log.exception("merging adapter version %d failed; serving it unmerged", version)
-            return
-        self._post("merged", (version, merged))
+        # merged here too, on the publisher's thread (serving/merge.py), so the engine thread
+        # only swaps references, and the adapter is served merged from its first step
+        merged = None
+        if self._merge_layers:
+            try:
+                merged = merged_weights(self._merge_layers, weights)
+            except Exception:  # served unmerged: slower, the same numbers
+                log.exception("merging adapter version %d failed; serving it unmerged", version)
+        self._post("adapter", (weights, version, fingerprint, merged))
 
     def add_adapter(self, name: str, model: nn.Module) -> None:
         """Serve MODEL (the serving model's base arrays with LoRA weights of its own, already
@@ -298,19 +290,14 @@ class Engine:
                 self._insert(payload)
             elif kind == "cancel":
                 self._cancel(payload)
-            elif kind == "merged":  # a merge of the adapter now served; an older one is dropped
-                version, merged = payload
-                if version == self.adapter_version:
-                    set_merged(self._merge_layers, merged)
-                    self.stats.merged = True
-                    self.stats.merged_bytes = merged_bytes(self._merge_layers)
             elif kind == "adapter":
-                weights, version, fingerprint = payload
+                weights, version, fingerprint, merged = payload
                 tic = time.perf_counter()
                 self.model.update(_unflatten(weights))
-                if self._merge_layers:  # unmerged until its merge arrives
-                    set_merged(self._merge_layers, None)
-                    self.stats.merged, self.stats.merged_bytes = False, 0
+                if self._merge_layers:
+                    set_merged(self._merge_layers, merged)
+                    self.stats.merged = merged is not None
+                    self.stats.merged_bytes = merged_bytes(self._merge_layers)
                 if self.prefix_cache is not None:
                     self.prefix_cache.set_adapter(version, fingerprint)
                 self.adapter_version = version  # last: who sees it sees the cache switched too
@@ -339,11 +326,11 @@ class Engine:
         self._lane.add(job, restored)  # prefilled when decoding has had its share
         self.stats.active = self._active()  # the judge yields now
 
-    def _start(self, job: Job, cache: list | None, done: int) -> bool:
+    def _start(self, job: Job, cache: list | None, done: int, alone: bool = True) -> bool:
         """Hand the job to the BatchGenerator with KV for prompt_ids[:done] (or none), or decode
         it alone by speculation when nothing else wants to decode; True if the BatchGenerator
         took it, False if it runs alone or was refused (then failed)."""
-        if (self.speculate == "ngram" and self._lone is None and not self._jobs
+        if (self.speculate == "ngram" and alone and self._lone is None and not self._jobs
                 and not self._lane and speculable(job, job.seeded)):
             try:
                 self._lone = LoneStream.start(self.model, job, cache, done)
@@ -379,8 +366,9 @@ class Engine:
         room = self.max_batch - len(self._jobs)
         if self._lane.plan(room) == "group":
             started = 0
-            for item in self._lane.group(room):
-                started += self._start(item.job, item.cache, item.done)
+            group = self._lane.group(room)
+            for item in group:  # a group of several starts as one batch: none runs alone
+                started += self._start(item.job, item.cache, item.done, alone=len(group) == 1)
             self._group_pending = started > 0
             self.stats.prefill_groups = self._lane.groups
             return
@@ -457,10 +445,10 @@ class Engine:
             self._fail(job, f"{type(e).__name__}: {e}")
             return
         self.stats.spec_steps += 1
-        self.stats.spec_drafted, job.drafted = (self.stats.spec_drafted + lone.drafted - job.drafted,
-                                                lone.drafted)
-        self.stats.spec_accepted, job.accepted = (
-            self.stats.spec_accepted + lone.accepted - job.accepted, lone.accepted)
+        self.stats.spec_drafted += lone.last_drafted
+        self.stats.spec_accepted += lone.last_accepted
+        job.drafted += lone.last_drafted
+        job.accepted += lone.last_accepted
         for n, e in enumerate(emitted, 1):
             finish = ("stop" if e.token in self.eos_token_ids else
                       "length" if lone.produced - len(emitted) + n >= job.params.max_tokens
@@ -483,15 +471,16 @@ class Engine:
         """The batch's last job leaves it to decode alone, with its KV, if it may speculate and
         has a token out (so it is past its prefill); else it stays."""
         ((uid, job),) = self._jobs.items()
-        if job.done or not job.produced or not speculable(job, job.seeded):
+        if job.done or not job.produced or job.stays_batched or not speculable(job, job.seeded):
             return
         try:
             cache, tokens = self._gen.extract_cache([uid])[uid]
             lone = LoneStream.resume(job, list(cache), list(tokens))
         except Exception:  # it decodes on in the batch
             log.exception("taking a stream back from the batch failed")
-            return
-        if lone is None:
+            lone = None
+        if lone is None:  # (a cache that cannot be trimmed): not tried again for this job
+            job.stays_batched = True
             return
         self._gen.remove([uid])
         del self._jobs[uid]
@@ -508,7 +497,9 @@ class Engine:
             (uid,) = self._gen.insert(
                 [tokens[-1:]], max_tokens=[p.max_tokens - lone.produced],
                 caches=[lone.cache], all_tokens=[tokens[:-1]],
-                samplers=[make_sampler(p.temperature, p.top_p, p.seed, p.top_k)],
+                # a key chain of its own for each batched phase, never one already drawn from
+                samplers=[make_sampler(p.temperature, p.top_p, (p.seed + lone.produced) % 2**64,
+                                       p.top_k)],
                 logits_processors=[make_processors(p.logit_bias, 0.0, 0.0)],
                 stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])],
             )
@@ -516,6 +507,7 @@ class Engine:
             self._fail(job, f"{type(e).__name__}: {e}")
             return
         job.uid = uid
+        job.produced = 0  # counts this batched phase: a take-back needs a token out of it
         self._jobs[uid] = job
 
     def _store(self, job: Job, cache, tokens: list[int]) -> None:

@@ -58,6 +58,7 @@ class Job:
     adapter_model: object | None = None
     restored: list | None = None  # the cached prefix's KV (loader thread -> engine thread)
     seeded: bool = False  # the request chose its seed (set by Engine.submit)
-    produced: int = 0  # tokens the live batch delivered for it
+    produced: int = 0  # tokens the live batch delivered for it since it (last) joined the batch
+    stays_batched: bool = False  # a take-back failed (serving/speculate.py): not tried again
     drafted: int = 0  # tokens speculation drafted for it, and of those accepted (speculate.py)
     accepted: int = 0

@@ -8,8 +8,10 @@ adds two thin matmuls and an add per projection (`bench/serving_step.py`: 2.41 m
 ms a step on the tiny model).
 
 - `merged_weights` computes the merged arrays for an adapter's flat LoRA weights, evaluated, on
-  the caller's thread (the engine's merger thread): the engine thread only swaps references
-  between two decode steps (`set_merged`), so the swap pause stays that of `model.update`.
+  the caller's thread (`Engine.publish_adapter`'s: the trainer's, or the event loop's for a
+  rollback by hand): the engine thread only swaps references between two decode steps
+  (`set_merged`), so the swap pause stays that of `model.update`, and the adapter is served
+  merged from its first step.
 - A merged weight remembers the LoRA arrays it was made from (`Merged`); a layer that holds
   other ones (an adapter put in with `model.update` by any other path) runs unmerged.
 - A layer whose `lora_b` is all zero (version 0, a fresh adapter) serves the base weight itself:
@@ -35,12 +37,13 @@ import mlx.nn as nn
 
 @dataclass(frozen=True)
 class Merged:
-    """A layer's merged weight and the LoRA arrays it was made from: the forward uses it only
-    while the layer still holds those very arrays, so an adapter put in by any other path
-    (`model.update` by hand) is served unmerged, never stale."""
+    """A layer's merged weight and the LoRA and base arrays it was made from: the forward uses it
+    only while the layer still holds those very arrays, so an adapter (or base) put in by any
+    other path (`model.update` by hand) is served unmerged, never stale."""
     weight: mx.array
     a: mx.array
     b: mx.array
+    base: mx.array  # the base weight it was made from
 
 
 def merge_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -63,11 +66,11 @@ def merged_weights(layers: dict[str, nn.Module], weights: dict[str, mx.array]) -
         a, b = weights[f"{name}.lora_a"], weights[f"{name}.lora_b"]
         base = layer.linear.weight
         if not mx.any(b).item():
-            out[name] = Merged(base, a, b)  # nothing to add: the base weight itself
+            out[name] = Merged(base, a, b, base)  # nothing to add: the base weight itself
         else:
             merged = mx.addmm(base, b.T, a.T, alpha=layer.scale)  # W + s (A B)^T
             mx.eval(merged)
-            out[name] = Merged(merged, a, b)
+            out[name] = Merged(merged, a, b, base)
     return out
 
 

@@ -327,7 +327,8 @@ class ServingLoRALinear(LoRALinear):
 
     def __call__(self, x):
         m = getattr(self, "_merged", None)  # serving/merge.py: W + s (A B)^T, or None
-        if m is not None and m.a is self.lora_a and m.b is self.lora_b and not self.training:
+        if (m is not None and m.a is self.lora_a and m.b is self.lora_b
+                and m.base is self.linear.weight and not self.training):
             if "bias" in self.linear:
                 return mx.addmm(self.linear.bias, x, m.weight.T)
             return x @ m.weight.T

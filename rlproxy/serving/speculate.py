@@ -13,7 +13,8 @@ Exactness (what RL needs; `verify`):
 - each position's logits go through the request's logit_bias, then log-softmax at temperature 1
   is the recorded log-prob, as in the batched path (serving/engine.py's docstring);
 - greedy: a drafted token is kept while it is the argmax, so the text is the non-speculative
-  greedy text;
+  greedy text (up to float rounding between a k + 1-row and a 1-row forward, which could only
+  flip an exact near-tie: the tests find the same tokens and log-probs within 1e-4);
 - temperature > 0: the target q is the sampler's (temperature, then top_k, then top_p, as in
   serving/sampler.py). A drafted token x (a point mass) is accepted with probability q(x); on a
   rejection the token is drawn from q with x removed, renormalised; after k acceptances one more
@@ -42,7 +43,7 @@ from rlproxy.serving.jobs import Job, SamplingParams
 from rlproxy.serving.logprobs import top_logprobs
 from rlproxy.serving.sampler import make_processors
 
-DRAFT_MAX = 6  # tokens drafted per step (bench/vs_peers.py --speculate-sweep measured 4-8)
+DRAFT_MAX = 6  # tokens drafted per step: 7 positions cost SmolLM2 ~1.5x one on 2 cores (not swept)
 NGRAM_MAX, NGRAM_MIN = 4, 2  # the suffix lengths looked up, longest first
 # a seed the sampled stream's own draws take, apart from the batched sampler's (seeded by the
 # job's seed), so a stream handed over does not draw the same numbers twice
@@ -117,8 +118,8 @@ class LoneStream:
     cache: list
     tokens: Tokens
     produced: int = 0
-    drafted: int = 0  # this stream's drafted and accepted tokens (the engine sums them)
-    accepted: int = 0
+    last_drafted: int = 0  # the last step's drafted tokens, and of those accepted
+    last_accepted: int = 0
     key: mx.array | None = None
     processors: list = field(default_factory=list)
 
@@ -164,7 +165,9 @@ class LoneStream:
         p = self.job.params
         left = p.max_tokens - self.produced
         # the first token alone: its time is the time to first token, kept as the batch's
-        drafts = draft(self.tokens, min(DRAFT_MAX, left - 1)) if self.produced else []
+        # (and none once the cache cannot be trimmed back: a sliding window past its size)
+        drafts = (draft(self.tokens, min(DRAFT_MAX, left - 1))
+                  if self.produced and can_trim_prompt_cache(self.cache) else [])
         inputs = [int(self.tokens.buf[self.tokens.n - 1])] + drafts
         logits = model(mx.array(inputs)[None], cache=self.cache)[0]
         for processor in self.processors:
@@ -179,8 +182,7 @@ class LoneStream:
         trim_prompt_cache(self.cache, len(drafts) - accepted)
         self.tokens.append([e.token for e in emitted])
         self.produced += len(emitted)
-        self.drafted += len(drafts)
-        self.accepted += accepted
+        self.last_drafted, self.last_accepted = len(drafts), accepted
         return emitted
 
     def _next_key(self) -> mx.array:
