@@ -109,13 +109,17 @@ def test_grpo_with_four_choices_learns_faster_per_step_than_one_with_a_mean_base
     grpo = statistics.mean(gains[(4, s)] for s in SEEDS)
     mean = statistics.mean(gains[(1, s)] for s in SEEDS)
     print(f"mean gain over {STEPS} steps: n=4 group {grpo:+.3f}, n=1 mean baseline {mean:+.3f}")
-    # every step trained 8 completions, each choice under its own key
-    lines = [ln for ln in read_records(tmp_path / f"n4-s{SEEDS[0]}", "training.jsonl")
-             if ln["kind"] == "step"]
-    assert len(lines) == STEPS and all(ln["turns"] == BATCH for ln in lines)
+    # every step trained its 16 completions, each choice under its own key; a batch whose
+    # groups all got equal rewards (the policy saturated the reward) is skipped, as it must be
+    records = read_records(tmp_path / f"n4-s{SEEDS[0]}", "training.jsonl")
+    lines = [ln for ln in records if ln["kind"] == "step"]
+    no_signal = [ln for ln in records if ln["kind"] == "skipped"
+                 and "every advantage" in ln["reason"]]
+    assert len(lines) + len(no_signal) == STEPS and len(lines) >= STEPS - 3
+    assert all(ln["turns"] == BATCH for ln in lines)
     keys = [k for ln in lines for k in ln["uids"]]
-    assert len(set(keys)) == len(keys) == STEPS * BATCH
-    assert sum("/" in k for k in keys) == STEPS * BATCH * 3 // 4
+    assert len(set(keys)) == len(keys) == len(lines) * BATCH
+    assert sum("/" in k for k in keys) == len(lines) * BATCH * 3 // 4
     # Seen here over seeds 1-6: n=4 +1.51 +0.36 +0.17 +1.38 +1.47 +1.57 (mean +1.07), n=1
     # +0.30 +1.11 +0.02 -0.01 +0.72 +0.93 (mean +0.51): GRPO ahead in 5 of 6. The take-off is
     # sudden and its step varies, so one seed can go either way: asserted is that GRPO learns
