@@ -87,8 +87,8 @@ def main() -> None:
           f"cache, median of {a.steps}): unmerged {med['unmerged']:.2f} ms, merged "
           f"{med['merged']:.2f} ms ({med['merged'] / med['unmerged']:.2f}x), base "
           f"{med['base']:.2f} ms (merged / base {med['merged'] / med['base']:.2f}x)")
-    print(f"merge: {result['merge_s_median'] * 1000:.0f} ms on the publisher's thread; merged weights "
-          f"{result['merged_bytes'] / 2**20:.0f} MiB beyond the base (the adapted projections "
+    print(f"merge: {result['merge_s_median'] * 1000:.0f} ms on the publisher's thread; merged "
+          f"weights {result['merged_bytes'] / 2**20:.0f} MiB beyond the base (the adapted projections "
           f"again, float32); merged vs unmerged log-probs: max diff "
           f"{result['max_logprob_diff']:.2e}")
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,9 +23,10 @@ and penalties when a request asks for them), *before* temperature, top_k and top
 
 Two things make a lone stream cheaper: the live adapter is served merged (serving/merge.py: the
 merge is made by `publish_adapter` on the publisher's thread, the trainer's, and the engine
-thread only swaps references between two steps), and a job that starts while nothing else decodes is decoded by prompt-lookup
-speculation (serving/speculate.py, `LoneStream`) until another job wants the batch; it is then
-handed to the BatchGenerator with its KV, and decodes on there.
+thread only swaps references between two steps), and a job that starts while nothing else
+decodes is decoded by prompt-lookup speculation (serving/speculate.py, `LoneStream`) until
+another job wants the batch; it is then handed to the BatchGenerator with its KV, and decodes on
+there. When the batch is down to one job, that job leaves it with its KV and speculates.
 """
 
 from __future__ import annotations
