@@ -24,7 +24,7 @@ from rlproxy.training.loop import Trainer, training_copy
 from rlproxy.training.schedule import lr_at
 from conftest import make_settings, read_records, tiny_copy
 from test_chunked_grad import first_token_s
-from test_trainer import sample  # the engine's own samples, token ids and log-probs
+from test_trainer import sample, sample_each  # the engine's own samples: ids, log-probs
 
 PROMPTS = [[{"role": "user", "content": f"Tell me about {topic}."}]
            for topic in ("rivers", "bread", "trains", "owls", "glass", "tides")]
@@ -86,11 +86,10 @@ def make(tmp_path, own, **flags):
 def round_of(trainer, engine, prompts, reward_fn, seed):
     """One batch sampled by the served adapter, trained, then the gate if due (what the
     trainer thread's loop does after each batch)."""
-    batch = []
-    for k in range(trainer.t.batch_size):
-        p = k % len(prompts)
-        (ids, lps), = sample(engine, prompts[p], 1, seed * 100 + k)
-        batch.append(item(prompts[p], PROMPTS[p], ids, lps, reward_fn))
+    which = [k % len(prompts) for k in range(trainer.t.batch_size)]
+    sampled = sample_each(engine, [(prompts[p], 1, seed * 100 + k) for k, p in enumerate(which)])
+    batch = [item(prompts[p], PROMPTS[p], ids, lps, reward_fn)
+             for p, [(ids, lps)] in zip(which, sampled)]
     for s in batch:
         trainer.gate.observe(s["turn"])
     trainer.train_journaled(batch)
@@ -101,11 +100,8 @@ def round_of(trainer, engine, prompts, reward_fn, seed):
 
 
 def fresh_reward(engine, prompts, reward_fn, seed, n=48):
-    rewards = []
-    for k in range(n):
-        (ids, _), = sample(engine, prompts[k % len(prompts)], 1, seed + k)
-        rewards.append(reward_fn({"choices": [{"completion_ids": ids}]}, None))
-    return rewards
+    sampled = sample_each(engine, [(prompts[k % len(prompts)], 1, seed + k) for k in range(n)])
+    return [reward_fn({"choices": [{"completion_ids": ids}]}, None) for [(ids, _)] in sampled]
 
 
 # ---- the figures and the verdict, by hand ----
@@ -314,10 +310,10 @@ def test_a_degenerate_reward_is_refused_rolled_back_and_training_pauses(own, tmp
     engine, trainer, prompts = make(tmp_path / "ungated", own2, **{**DEGENERATE, "eval_every": 0})
     try:
         for r in range(20):
-            batch = []
-            for k in range(trainer.t.batch_size):
-                (ids, lps), = sample(engine, prompts[k % 6], 1, r * 100 + k)
-                batch.append(item(prompts[k % 6], PROMPTS[k % 6], ids, lps, repeat_reward))
+            sampled = sample_each(engine, [(prompts[k % 6], 1, r * 100 + k)
+                                           for k in range(trainer.t.batch_size)])
+            batch = [item(prompts[k % 6], PROMPTS[k % 6], ids, lps, repeat_reward)
+                     for k, [(ids, lps)] in enumerate(sampled)]
             trainer.train_journaled(batch)
             if r % 2 and statistics.mean(fresh_reward(engine, prompts, diversity, 10**6, 24)) \
                     < before - 0.5:

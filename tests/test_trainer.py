@@ -35,25 +35,35 @@ def target_reward(turn, next_state):
 
 
 def sample(engine, prompt, n, seed0, max_tokens=12):
+    """N completions of PROMPT sampled at temperature 1 with seeds SEED0, SEED0 + 1, ...: their
+    token ids and log-probs."""
+    return sample_each(engine, [(prompt, n, seed0)], max_tokens)[0]
+
+
+def sample_each(engine, requests, max_tokens=12):
+    """`sample` for each (prompt, n, seed0) of REQUESTS, all submitted before any is read, so
+    they decode in one batch: a seeded request gets the same tokens whatever else runs."""
     queues = []
-    for i in range(n):
-        q = queue.Queue()
-        engine.submit(Job(prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0,
-                                                 seed=seed0 + i), q.put))
-        queues.append(q)
-    out = []
-    for q in queues:
-        ids, lps = [], []
-        while True:
-            step = q.get(timeout=60)
-            if step.token is not None:
-                ids.append(step.token.id)
-                lps.append(step.token.logprob)
-            if step.finish_reason:
-                assert step.error is None
-                break
-        out.append((ids, lps))
-    return out
+    for prompt, n, seed0 in requests:
+        queues.append([])
+        for i in range(n):
+            q = queue.Queue()
+            engine.submit(Job(prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0,
+                                                     seed=seed0 + i), q.put))
+            queues[-1].append(q)
+    return [[read_all(q) for q in qs] for qs in queues]
+
+
+def read_all(q):
+    ids, lps = [], []
+    while True:
+        step = q.get(timeout=60)
+        if step.token is not None:
+            ids.append(step.token.id)
+            lps.append(step.token.logprob)
+        if step.finish_reason:
+            assert step.error is None
+            return ids, lps
 
 
 def scored(prompt, ids, lps):

@@ -148,12 +148,15 @@ def test_a_missing_parent_is_reported_and_its_line_kept(both, tmp_path, caplog):
 
 
 def train_from(data: Path, out: Path) -> tuple[list[dict], dict]:
-    """`rlproxy train --from DATA`, seed 0, a turn a step, turns past 15,700 tokens skipped (the
-    first two of the done session and the open one's first are trained: an agent-length step on
-    the tiny model costs ~15 s): its training.jsonl lines and its adapter."""
+    """`rlproxy train --from DATA`, seed 0, a turn a step, turns past 15,100 tokens skipped: the
+    done session's first turn (a whole line) and the open one's first are trained, the latter
+    the deepest chain of lines that extend (an agent-length step on the tiny model costs ~8 s
+    of CPU); no baseline, so both +1 turns carry signal: its training.jsonl lines and its
+    adapter."""
     assert main(["train", "--from", str(data), "--model", "tiny", "--data-dir", str(out),
                  "--batch-size", "1", "--learning-rate", "1e-3", "--train-seed", "0",
-                 "--max-context-tokens", "15700", "--log-level", "WARNING"]) == 0
+                 "--max-context-tokens", "15100", "--baseline", "none",
+                 "--log-level", "WARNING"]) == 0
     (ckpt,) = sorted((out / "checkpoints").glob("step_*"))
     return read_records(out, "training.jsonl"), mx.load(str(ckpt / "adapters.safetensors"))
 
@@ -209,6 +212,10 @@ def test_train_from_writes_the_same_adapter_bit_for_bit_from_either_form(both, t
     assert [{k: ln.get(k) for k in fields} for ln in on_lines] == \
         [{k: ln.get(k) for k in fields} for ln in whole_lines]
     assert len([ln for ln in on_lines if ln["kind"] == "step"]) >= 2, on_lines
+    # one of them rebuilt through lines that extend: the training read the chains, not copies
+    trained = {u for ln in on_lines if ln["kind"] == "step" for u in ln["uids"]}
+    assert any("extends" in line and line["uid"] in trained
+               for line in read_jsonl(both["on"] / CONVERSATIONS)), on_lines
     assert any(ln["kind"] == "skipped" for ln in on_lines), on_lines
     assert on.keys() == rewritten.keys() and on
     for k, v in on.items():
