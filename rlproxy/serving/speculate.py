@@ -43,7 +43,7 @@ from rlproxy.serving.jobs import Job, SamplingParams
 from rlproxy.serving.logprobs import top_logprobs
 from rlproxy.serving.sampler import make_processors
 
-DRAFT_MAX = 6  # tokens drafted per step: 7 positions cost SmolLM2 ~1.5x one on 2 cores (not swept)
+DRAFT_MAX = 6  # tokens drafted per step: 7 positions cost SmolLM2 ~1.5x one (bench/draft_sweep.py)
 NGRAM_MAX, NGRAM_MIN = 4, 2  # the suffix lengths looked up, longest first
 # a seed the sampled stream's own draws take, apart from the batched sampler's (seeded by the
 # job's seed), so a stream handed over does not draw the same numbers twice
