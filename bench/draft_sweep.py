@@ -11,7 +11,7 @@ share of drafted tokens accepted. Greedy text must be the same under every polic
 drafts change only how many tokens a step yields.
 
     python bench/draft_sweep.py [--model smollm2-135m-instruct] [--kinds tool edit summary plain]
-        [--policies 0 6 10 16] [--rounds 2] [--max-tokens 128]
+        [--policies 0 6 10 16] [--rounds 2] [--max-tokens 128] [--dequantize no]
         [--out bench/results/draft_sweep.json]
 """
 
@@ -63,6 +63,8 @@ def decode(model, prompt: list[int], policy: str, max_tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dequantize", default="auto", choices=["auto", "yes", "no"],
+                    help="as `rlproxy serve --dequantize` (no: SmolLM2's 4-bit weights as shipped)")
     ap.add_argument("--kinds", nargs="+", default=["tool", "edit", "summary", "plain"])
     ap.add_argument("--policies", nargs="+", default=["0", "6", "10", "16"])
     ap.add_argument("--rounds", type=int, default=2)
@@ -70,7 +72,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/draft_sweep.json")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
-    loaded = load_serving_model(ModelSettings(model=args.model))
+    loaded = load_serving_model(ModelSettings(model=args.model, dequantize=args.dequantize))
     model, tok = loaded.model, loaded.tokenizer
     results, lines = {}, []
     for kind in args.kinds:
@@ -102,6 +104,7 @@ def main() -> None:
                          f"acceptance {results[kind][policy]['acceptance']}")
             print(lines[-1], file=sys.stderr, flush=True)  # progress; all again at the end
     settings = {"rounds": args.rounds, "max_tokens": args.max_tokens,
+                "dequantize": args.dequantize,
                 "draft_max_served": speculate.DRAFT_MAX, "ngram": [speculate.NGRAM_MAX,
                                                                     speculate.NGRAM_MIN]}
     report(lines, environment(args.model, load_before, settings=settings) | {"results": results},

@@ -70,6 +70,9 @@ def engine_context(settings: Settings, loaded: LoadedModel | None):
                         prefill_step_size=settings.engine.prefill_step_size,
                         prefix_cache=prefix_cache, merge=settings.engine.merge_lora,
                         speculate=settings.engine.speculate)
+        if settings.engine.speculate == "auto" and engine.speculate == "off":
+            log.info("speculation off: a quantized base on the CPU decodes slower with drafts "
+                     "(--speculate ngram turns it on)")
         engine.start()
         app[MODEL], app[ENGINE] = model, engine
         log.info("serving %s: %s (context %d tokens, BLAS: %s)", model.model_id,

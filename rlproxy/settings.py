@@ -149,11 +149,12 @@ class EngineSettings(Section):
         "all three APIs: a request that asks for more (or names none, past "
         "--default-max-tokens) gets this many; the reply then ends with `length` and the clamp "
         "is recorded (default: unset, no cap but the context)")
-    speculate: Literal["ngram", "off"] = Field(
-        "ngram", description="ngram: a request that decodes alone drafts its next tokens from "
+    speculate: Literal["auto", "ngram", "off"] = Field(
+        "auto", description="ngram: a request that decodes alone drafts its next tokens from "
         "the prompt and its own completion and verifies them in one forward pass, with the same "
         "tokens (greedy), the same distribution (sampled) and the same recorded log-probs "
-        "(serving/speculate.py); off: one token a step")
+        "(serving/speculate.py); off: one token a step; auto: ngram, but off for a quantized "
+        "base on the CPU, where verifying a draft costs more than the tokens it saves")
     merge_lora: bool = Field(
         True, description="serve the live adapter merged into the base weights (W + s*BA, "
         "made when an adapter is published): the base model's cost per token, for a copy of "

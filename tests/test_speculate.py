@@ -24,7 +24,7 @@ from rlproxy.serving.merge import merge_layers, merged_weights, set_merged
 from rlproxy.serving.model import lora_weights
 from rlproxy.serving.sampler import make_sampler
 from rlproxy.serving.speculate import Tokens, draft, target_logits, verify
-from conftest import read_records, server_with
+from conftest import ServerThread, make_settings, read_records, server_with
 
 CODE = "\n".join(f"def handler_{i}(request):\n    return process(request.path, "
                  f"'/srv/app/module_{i}.py')" for i in range(24))
@@ -293,7 +293,8 @@ def spec_accepted(server) -> float:
 
 
 def test_a_speculated_turn_trains_with_ratio_one_at_version_0(server, tiny):
-    """Over HTTP, with the shipped default (--speculate ngram): a turn whose drafts were
+    """Over HTTP, with the shipped default (--speculate auto: ngram, the base being float32): a
+    turn whose drafts were
     accepted is recorded with the log-probs the trainer's own forward gives its tokens."""
     from rlproxy.training.loop import training_copy
 
@@ -365,3 +366,29 @@ def test_a_published_adapter_is_served_merged_from_its_first_step(own):
         assert np.abs(np.array(want[len(prompt) - 1:]) - np.array(lps)).max() < 1e-4
     finally:
         engine.stop()
+
+
+def test_auto_speculates_but_not_on_a_quantized_base_on_the_cpu(tiny, tmp_path):
+    """`--speculate auto`, the default: ngram for a float base; off for a quantized one on the
+    CPU, where MLX's quantized matmuls cost more per row over a draft's rows than over one, so
+    a verifying pass loses (bench/draft_sweep.py --dequantize no); an explicit setting stands.
+    A real server says which on /healthz and serves its lone stream a token a step."""
+    import requests
+
+    from rlproxy.serving.model import load_serving_model
+    from rlproxy.settings import ModelSettings
+
+    eos = tiny.tokenizer.eos_token_ids
+    quantized = load_serving_model(ModelSettings(model="tiny", quantize_bits=4)).model
+    on_cpu = mx.default_device() == mx.cpu
+    assert Engine(tiny.model, eos).speculate == "ngram"
+    assert Engine(quantized, eos).speculate == ("off" if on_cpu else "ngram")
+    assert Engine(quantized, eos, speculate="ngram").speculate == "ngram"
+    assert Engine(tiny.model, eos, speculate="off").speculate == "off"
+    with ServerThread(make_settings(tmp_path, quantize_bits=4), None) as s:
+        r = s.client().chat.completions.create(model="m", messages=COPY_MESSAGES, max_tokens=24,
+                                               temperature=0)
+        assert r.usage.completion_tokens == 24
+        engine = requests.get(s.url + "/healthz", timeout=30).json()["engine"]
+    if on_cpu:
+        assert engine["speculate"] == "off" and engine["spec_steps"] == 0, engine

@@ -59,7 +59,7 @@ from rlproxy.serving.model import lora_weights
 from rlproxy.serving.named import NamedAdapters
 from rlproxy.serving.prefill import Loader, PrefillLane
 from rlproxy.serving.sampler import make_processors, make_sampler
-from rlproxy.serving.speculate import LoneStream, speculable
+from rlproxy.serving.speculate import LoneStream, speculable, speculation
 
 log = logging.getLogger("rlproxy.engine")
 
@@ -80,6 +80,7 @@ class EngineStats:
     max_prefill_chunk_ms: float = 0.0  # the longest a prefill held decoding up
     merged: bool = False  # the live adapter is served merged (serving/merge.py)
     merged_bytes: int = 0  # what the merged weights hold beyond the base
+    speculate: str = "off"  # what --speculate came to for this model: "ngram" or "off"
     spec_steps: int = 0  # forward passes of speculated lone streams (serving/speculate.py)
     spec_tokens: int = 0  # tokens they yielded
     spec_drafted: int = 0  # tokens drafted, and of those accepted
@@ -91,10 +92,10 @@ class Engine:
 
     def __init__(self, model: nn.Module, eos_token_ids, *, max_batch: int = 16,
                  prefill_step_size: int = 2048, prefix_cache: PrefixCache | None = None,
-                 merge: bool = True, speculate: str = "ngram"):
+                 merge: bool = True, speculate: str = "auto"):
         self.model = model
         self._merge_layers = merge_layers(model) if merge else {}
-        self.speculate = speculate
+        self.speculate = speculation(speculate, model)  # "ngram" or "off"
         self._lone: LoneStream | None = None
         self.prefix_cache = prefix_cache
         self.eos_token_ids = sorted(eos_token_ids)
@@ -102,7 +103,7 @@ class Engine:
         self.prefill_step_size = prefill_step_size
         self.adapter_version = 0
         self.error: str | None = None  # set if the thread died; /healthz reports it
-        self.stats = EngineStats()
+        self.stats = EngineStats(speculate=self.speculate)
         self._inbox: deque = deque()
         self._wake = threading.Event()
         self._running = False
