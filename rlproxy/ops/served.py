@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import resource
 import signal
 import socket
@@ -32,18 +33,19 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now (the OS's pick; another program may take it first, rarely)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, that nothing else is handed meanwhile (`free_ports`)."""
+    return free_ports(1)
 
 
 def free_ports(n: int) -> int:
-    """A port P with P .. P+N-1 free (mlx.launch's ring backend listens on one per rank)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n > 65535:
-            continue
+    """A port P with P .. P+N-1 free on 127.0.0.1 now (mlx.launch's ring backend listens on one
+    per rank), drawn at random from below the range the OS hands out for port 0 and outgoing
+    connections. A port the OS picked could go to any other connection before the caller's
+    server binds it (the ring once failed with "Couldn't bind socket" in the suite); one below
+    that range is taken only by another caller that drew the same number."""
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        base = _PICK.randrange(10_000, max(10_001, low - n))
         try:
             for p in range(base, base + n):
                 with socket.socket() as s:
@@ -52,6 +54,18 @@ def free_ports(n: int) -> int:
         except OSError:
             continue
     raise RuntimeError("no run of free ports")
+
+
+_PICK = random.Random()  # its own state: a test that seeds `random` must not fix the ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """Linux's ip_local_port_range; elsewhere 49152-65535 (macOS, the IANA range)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def server_env(*python_path: str | Path, **extra: str) -> dict:
