@@ -43,9 +43,10 @@ def free_ports(n: int) -> int:
     connections. A port the OS picked could go to any other connection before the caller's
     server binds it (the ring once failed with "Couldn't bind socket" in the suite); one below
     that range is taken only by another caller that drew the same number."""
-    low, _ = _ephemeral_range()
+    low, high = _ephemeral_range()
+    first, last = (10_000, low - n) if low - n > 10_000 else (high + 1, 65_536 - n)
     for _ in range(200):
-        base = _PICK.randrange(10_000, max(10_001, low - n))
+        base = _PICK.randrange(first, last)
         try:
             for p in range(base, base + n):
                 with socket.socket() as s:
