@@ -175,13 +175,13 @@ def test_the_guarded_demo_rolls_back_a_learning_rate_set_too_high_and_marks_it(t
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_the_demo_on_smollm2_scores_with_its_tokenizer(tmp_path, capsys, monkeypatch):
-    """One PPO step on SmolLM2 (4 fresh samples per measurement, not 16, to stay short): the
+    """One PPO step on SmolLM2 (2 fresh samples per measurement, not 16, to stay short): the
     demo says what it serves, trains at the real model's rate, and every turn is scored with
     SmolLM2's token ids (its digits are single tokens), not the tiny model's."""
     from rlproxy.serving.model import resolve_source
 
     smol = AutoTokenizer.from_pretrained(resolve_source("smollm2-135m-instruct").path)
-    monkeypatch.setattr(demo, "EVAL_SAMPLES", 4)
+    monkeypatch.setattr(demo, "EVAL_SAMPLES", 2)
     args = argparse.Namespace(steps=1, out=str(tmp_path), model="smollm2-135m-instruct",
                               log_level="WARNING", guard=False)
     assert demo.run_demo(args) == 0

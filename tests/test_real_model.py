@@ -81,20 +81,24 @@ def tells_replies_apart(turn, next_state):
     return (sum(ids) % 97) / 48.0 - 1.0
 
 
-def probe(server) -> list[float]:
+BRIEF = [{"role": "system", "content": "Be brief."}]  # 13 tokens less than the template's own
+
+
+def probe(server, system: list[dict] = ()) -> list[float]:
     """The served greedy log-probs of a fixed question (a side turn: never trained)."""
     r = server.client().chat.completions.create(
-        model=NAME, messages=FRANCE, max_tokens=4, temperature=0, logprobs=True,
+        model=NAME, messages=[*system, *FRANCE], max_tokens=4, temperature=0, logprobs=True,
         extra_headers={"X-Turn-Type": "side", "X-Session-Id": f"probe-{time.monotonic_ns()}"})
     return [t.logprob for t in r.choices[0].logprobs.content]
 
 
-def train_one_step(server, first: int, step: int, turns: int = 2) -> None:
+def train_one_step(server, first: int, step: int, turns: int = 2,
+                   system: list[dict] = ()) -> None:
     c = server.client()
     for i in range(first, first + turns):
         c.chat.completions.create(
             model=NAME, max_tokens=8, temperature=1.0, seed=i,
-            messages=[{"role": "user", "content": f"Say a word about the number {i}."}],
+            messages=[*system, {"role": "user", "content": f"Say a word about the number {i}."}],
             extra_headers={"X-Session-Id": f"train-{i}", "X-Session-Done": "1"})
     wait_for_steps(server.url, step, timeout_s=240)
 
@@ -108,17 +112,17 @@ def test_a_qlora_step_moves_the_served_logprobs_and_a_rollback_restores_them(tmp
         reward_functions=["test_real_model:tells_replies_apart"], batch_size=1,
         baseline="none", learning_rate=1e-3, save_interval=1, keep_checkpoints=10,
         resume=False, fsync=False, prefix_cache=False)  # one turn a step: the 4-bit base is slow
-    with ServerThread(settings, own) as s:
-        before = probe(s)
-        train_one_step(s, 0, 1, turns=1)
-        after_one = probe(s)
+    with ServerThread(settings, own) as s:  # short prompts: 4-bit matmuls cost ~0.1 s a token
+        before = probe(s, BRIEF)
+        train_one_step(s, 0, 1, turns=1, system=BRIEF)
+        after_one = probe(s, BRIEF)
         assert max(abs(a - b) for a, b in zip(before, after_one)) > 1e-3
-        train_one_step(s, 1, 2, turns=1)
-        after_two = probe(s)
+        train_one_step(s, 1, 2, turns=1, system=BRIEF)
+        after_two = probe(s, BRIEF)
         assert after_two != after_one
         r = requests.post(s.url + "/v1/adapters/1/serve")
         assert r.status_code == 200, r.text
-        assert probe(s) == after_one  # exactly: the same adapter, the same arithmetic
+        assert probe(s, BRIEF) == after_one  # exactly: the same adapter, the same arithmetic
     steps = [x for x in read_records(tmp_path, "training.jsonl") if x["kind"] == "step"]
     assert [x["step"] for x in steps] == [1, 2]
 
