@@ -78,7 +78,7 @@ def main() -> None:
         "model": loaded.model_id, "lora_layers": len(layers),
         "step_ms_median": {f: statistics.median(t) for f, t in times.items()},
         "merge_s_median": statistics.median(merge_s),
-        "merged_bytes": merged_bytes(layers),
+        "merged_bytes": merged_bytes(merged),
         "adapted_projection_bytes": sum(layer.linear.weight.nbytes for layer in layers.values()),
         "max_logprob_diff": mx.abs(merged_lp - unmerged_lp).max().item(),
     }

@@ -30,7 +30,7 @@ Checkpoints are off (save_interval 10^9): the figures time steps, not disk.
 Prints one line per figure and writes everything to a JSON file. It measures; it changes
 nothing in rlproxy.
 
-    python bench/swap.py [--size tiny|small] [--out bench/results/swap.json]
+    python bench/swap.py [--size tiny|small|smollm2-135m-instruct] [--out bench/results/swap.json]
 """
 
 import rlproxy  # noqa: F401, I001  (first: preloads OpenBLAS before anything imports mlx)
@@ -522,7 +522,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    parser.add_argument("--size", default="tiny",
+                        choices=["tiny", "small", "smollm2-135m-instruct"])
     parser.add_argument("--clients", type=int, default=4, help="requests decoding at once")
     parser.add_argument("--swaps", type=int, default=50, help="swap pause: adapter versions")
     parser.add_argument("--swap-interval", type=float, default=0.1, help="seconds between swaps")

@@ -368,6 +368,39 @@ def test_a_published_adapter_is_served_merged_from_its_first_step(own):
         engine.stop()
 
 
+def test_a_swap_sets_references_and_frees_the_merged_weights_it_replaced(own):
+    """A swap puts the published arrays themselves into the model (no walk over the module
+    tree), and the merged weights it replaces are freed off the swap: a few a decode step, all
+    of them once nothing decodes (SmolLM2's 405 MiB at once took 30-90 ms of the engine thread:
+    bench/swap.py --size smollm2-135m-instruct --swap-only)."""
+    import time
+
+    engine = Engine(own.model, own.tokenizer.eos_token_ids, speculate="off")
+    engine.start()
+    try:
+        drawn = {k: (mx.random.normal(v.shape, key=mx.random.key(3)) * 0.05
+                     if k.endswith("lora_b") else v) for k, v in lora_weights(own.model).items()}
+        versions = [{k: v * (i + 1) if k.endswith("lora_b") else v for k, v in drawn.items()}
+                    for i in range(2)]
+        mx.eval(versions)
+        deadline = time.monotonic() + 30
+        for version, weights in enumerate(versions, start=1):
+            engine.publish_adapter(weights, version)
+            while engine.adapter_version != version and time.monotonic() < deadline:
+                time.sleep(0.01)
+            # a request decodes across the swap's aftermath (freeing goes on between steps)
+            run(engine, list(range(20, 40)), max_tokens=4, temperature=0.0)
+        while engine._retired and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.adapter_version == 2 and engine.stats.merged_bytes > 0
+        assert not engine._retired  # version 1's merged weights: replaced, and freed
+        assert all(v is versions[1][k] for k, v in lora_weights(own.model).items())
+        layers = merge_layers(own.model)
+        assert all(layer._merged.a is versions[1][f"{n}.lora_a"] for n, layer in layers.items())
+    finally:
+        engine.stop()
+
+
 def test_auto_speculates_but_not_on_a_quantized_base_on_the_cpu(tiny, tmp_path):
     """`--speculate auto`, the default: ngram for a float base; off for a quantized one on the
     CPU, where MLX's quantized matmuls cost more per row over a draft's rows than over one, so

@@ -10,14 +10,15 @@ ms a step on the tiny model).
 - `merged_weights` computes the merged arrays for an adapter's flat LoRA weights, evaluated, on
   the caller's thread (`Engine.publish_adapter`'s: the trainer's, or the event loop's for a
   rollback by hand): the engine thread only swaps references between two decode steps
-  (`set_merged`), so the swap pause stays that of `model.update`, and the adapter is served
-  merged from its first step.
+  (`set_merged`), so the swap pause is a few reference sets, and the adapter is served merged
+  from its first step.
 - A merged weight remembers the LoRA arrays it was made from (`Merged`); a layer that holds
   other ones (an adapter put in with `model.update` by any other path) runs unmerged.
 - A layer whose `lora_b` is all zero (version 0, a fresh adapter) serves the base weight itself:
   no copy, no memory, exactly the base model.
 - Otherwise each merged projection is a copy of its base weight: the adapted projections' size
-  again, in float32 (measured by `merged_bytes`; the README gives it for SmolLM2).
+  again, in float32 (measured by `merged_bytes`; the README gives it for SmolLM2). The
+  weights a swap replaces are freed a few per decode step (`Engine._release_retired`).
 - Off (every layer keeps the unmerged form) where merging would change the numbers or cannot be
   done: a base that is not float32 (a half-precision merge rounds every weight: log-probs would
   drift past 1e-4), a quantized base (QLoRA), and `--no-merge-lora`. Named adapters (the Tinker
@@ -74,14 +75,19 @@ def merged_weights(layers: dict[str, nn.Module], weights: dict[str, mx.array]) -
     return out
 
 
-def set_merged(layers: dict[str, nn.Module], merged: dict | None) -> None:
-    """Serve MERGED (from `merged_weights`), or the unmerged form when None. References only."""
+def set_merged(layers: dict[str, nn.Module], merged: dict | None) -> list[Merged]:
+    """Serve MERGED (from `merged_weights`), or the unmerged form when None. References only:
+    the merged weights it replaces are returned, for the caller to drop when it suits it
+    (freeing SmolLM2's 405 MiB of them takes 30-90 ms: see Engine._release_retired)."""
+    replaced = []
     for name, layer in layers.items():
+        if getattr(layer, "_merged", None) is not None:
+            replaced.append(layer._merged)
         layer._merged = None if merged is None else merged[name]
+    return replaced
 
 
-def merged_bytes(layers: dict[str, nn.Module]) -> int:
-    """Memory the merged weights hold beyond the base: the copies of changed projections."""
-    held = [(getattr(layer, "_merged", None), layer) for layer in layers.values()]
-    return sum(m.weight.nbytes for m, layer in held
-               if m is not None and m.weight is not layer.linear.weight)
+def merged_bytes(merged: dict | None) -> int:
+    """Memory MERGED (from `merged_weights`) holds beyond the base: the copies of changed
+    projections."""
+    return sum(m.weight.nbytes for m in (merged or {}).values() if m.weight is not m.base)

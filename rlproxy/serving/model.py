@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.rope_utils import YarnRoPE
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
@@ -366,6 +366,31 @@ def quantize_base(model: nn.Module, bits: int | None, group_size: int = 64) -> N
 def lora_weights(model: nn.Module) -> dict[str, mx.array]:
     """The adapter's parameters by flat name (what checkpoints save and swaps replace)."""
     return {k: v for k, v in tree_flatten(model.trainable_parameters())}
+
+
+def adapter_slots(model: nn.Module) -> dict[str, tuple[dict | list, str | int]]:
+    """Where each adapter parameter of MODEL lives: its flat name (as `lora_weights` gives it)
+    -> (the module or list holding it, its key there)."""
+    slots = {}
+    for name in lora_weights(model):
+        *path, key = name.split(".")
+        holder = model
+        for part in path:
+            holder = holder[int(part)] if isinstance(holder, list) else holder[part]
+        slots[name] = (holder, key)
+    return slots
+
+
+def put_adapter(model: nn.Module, slots: dict, weights: dict[str, mx.array]) -> None:
+    """Make WEIGHTS (flat names) MODEL's adapter parameters. With the SLOTS of `adapter_slots`
+    that is one reference set per array; `model.update` walks the whole module tree instead
+    (~6 ms a swap on SmolLM2's 420 arrays, all of it on the engine thread between two steps)."""
+    if weights.keys() == slots.keys():
+        for name, array in weights.items():
+            holder, key = slots[name]
+            holder[key] = array
+    else:  # names this model does not have: mlx's own update says so, or adds them, as before
+        model.update(tree_unflatten(list(weights.items())))
 
 
 def save_adapter(model: nn.Module, lora_config: dict, path: str | Path) -> Path:
