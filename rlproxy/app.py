@@ -25,7 +25,7 @@ from rlproxy.api.feedback import feedback
 from rlproxy.api.messages import count_tokens, create_message
 from rlproxy.api.middlewares import auth_middleware, errors_middleware
 from rlproxy.api.response_store import response_store_context
-from rlproxy.appkeys import ADMISSION, DRAINING, ENGINE, METRICS, MODEL, SETTINGS, STARTED
+from rlproxy.appkeys import ADMISSION, DRAINING, ENGINE, METRICS, MODEL, SAVED, SETTINGS, STARTED
 from rlproxy.kv.prefix_cache import open_prefix_cache
 from rlproxy.lru import LRU
 from rlproxy.ops import metrics
@@ -38,6 +38,7 @@ from rlproxy.remote.sampler import TinkerSampler
 from rlproxy.remote.service import base_model_name
 from rlproxy.serving.blas import blas_in_use
 from rlproxy.serving.engine import Engine
+from rlproxy.serving.saved import SavedAdapters
 from rlproxy.serving.model import LoadedModel, load_serving_model, load_tokenizer_only
 from rlproxy.settings import Settings
 from rlproxy.tinker.routes import add_tinker_routes
@@ -74,10 +75,11 @@ def engine_context(settings: Settings, loaded: LoadedModel | None):
             log.info("speculation off: a quantized base on the CPU decodes slower with drafts "
                      "(--speculate ngram turns it on)")
         engine.start()
-        app[MODEL], app[ENGINE] = model, engine
+        app[MODEL], app[ENGINE], app[SAVED] = model, engine, SavedAdapters(model, engine)
         log.info("serving %s: %s (context %d tokens, BLAS: %s)", model.model_id,
                  model.origin or model.source, model.context_length, blas_in_use())
         yield
+        await app[SAVED].aclose()
         await loop.run_in_executor(None, engine.stop)
         if prefix_cache is not None:  # after the engine: its last stores are flushed to disk
             await loop.run_in_executor(None, prefix_cache.close)

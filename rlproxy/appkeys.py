@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from rlproxy.scoring.scorer import Scorer
     from rlproxy.serving.engine import Engine
     from rlproxy.serving.model import LoadedModel
+    from rlproxy.serving.saved import SavedAdapters
     from rlproxy.sessions.store import SessionStore
     from rlproxy.settings import Settings
     from rlproxy.tinker.state import TinkerState
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings")
 MODEL: web.AppKey[LoadedModel] = web.AppKey("model")
 ENGINE: web.AppKey[Engine] = web.AppKey("engine")
+# adapters saved on disk served by name: MODEL@STEP requests, Tinker sampler weights
+SAVED: web.AppKey[SavedAdapters] = web.AppKey("saved_adapters")
 SESSIONS: web.AppKey[SessionStore] = web.AppKey("sessions")
 SCORER: web.AppKey[Scorer] = web.AppKey("scorer")  # finished main turns go here
 STARTED: web.AppKey[float] = web.AppKey("started")

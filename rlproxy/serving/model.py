@@ -393,6 +393,38 @@ def put_adapter(model: nn.Module, slots: dict, weights: dict[str, mx.array]) -> 
         model.update(tree_unflatten(list(weights.items())))
 
 
+def lora_model(loaded, lora_config: dict, seed: int | None = None) -> nn.Module:
+    """A model object over the serving model's base arrays with fresh LoRA layers of its own
+    (lora_b = 0, so it starts equal to the base). Like training/learner.py's training_copy, but
+    at any rank and without the serving adapter's values."""
+    if seed is not None:
+        mx.random.seed(seed)
+    model = architecture(loaded)  # weights never read; the serving model's RoPE scaling
+    linear_to_lora_layers(model, lora_config["num_layers"], lora_config["lora_parameters"])
+    quantize_base(model, loaded.quantize_bits)
+    base = [(k, v) for k, v in tree_flatten(loaded.model.parameters())
+            if not k.endswith((".lora_a", ".lora_b"))]
+    model.update(tree_unflatten(base))
+    model.freeze()
+    model.unfreeze(keys=["lora_a", "lora_b"], strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def adapter_config(path: Path) -> dict:
+    return json.loads((path / ADAPTER_CONFIG).read_text())
+
+
+def saved_adapter_model(loaded, path: Path) -> nn.Module:
+    """The serving base with the adapter saved at PATH (mlx-lm's layout): a model object of its
+    own over the base arrays, for the engine to serve by name (Engine.add_adapter)."""
+    model = lora_model(loaded, adapter_config(path))
+    model.update(tree_unflatten(list(mx.load(str(path / "adapters.safetensors")).items())))
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
 def save_adapter(model: nn.Module, lora_config: dict, path: str | Path) -> Path:
     """Write the adapter in mlx-lm's format (`mlx_lm.load(..., adapter_path=path)` opens it)."""
     path = Path(path)

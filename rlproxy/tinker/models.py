@@ -31,7 +31,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from rlproxy.paths import ADAPTER_CONFIG, TRAINER_STATE
 from rlproxy.serving.logprobs import sequence_logprobs, token_logprobs
-from rlproxy.serving.model import architecture, lora_weights, quantize_base, save_adapter
+from rlproxy.serving.model import lora_model, lora_weights, save_adapter, saved_adapter_model
+from rlproxy.serving.model import adapter_config as config_of
 from rlproxy.tinker.wire import UserError
 from rlproxy.training import losses
 from rlproxy.training.checkpoints import load_checkpoint, save_optimizer, written_whole
@@ -79,26 +80,6 @@ def lora_config_for(loaded, rank: int) -> dict:
     cfg = json.loads(json.dumps(loaded.lora_config))
     cfg["lora_parameters"]["rank"] = int(rank)
     return cfg
-
-
-def lora_model(loaded, lora_config: dict, seed: int | None = None) -> nn.Module:
-    """A model object over the serving model's base arrays with fresh LoRA layers of its own
-    (lora_b = 0, so it starts equal to the base). Like training/learner.py's training_copy, but
-    at any rank and without the serving adapter's values."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    if seed is not None:
-        mx.random.seed(seed)
-    model = architecture(loaded)  # weights never read; the serving model's RoPE scaling
-    linear_to_lora_layers(model, lora_config["num_layers"], lora_config["lora_parameters"])
-    quantize_base(model, loaded.quantize_bits)
-    base = [(k, v) for k, v in tree_flatten(loaded.model.parameters())
-            if not k.endswith((".lora_a", ".lora_b"))]
-    model.update(tree_unflatten(base))
-    model.freeze()
-    model.unfreeze(keys=["lora_a", "lora_b"], strict=False)
-    mx.eval(model.parameters())
-    return model
 
 
 def _trainable(loaded, cfg: dict, seed: int | None) -> tuple[nn.Module, optim.AdamW]:
@@ -325,19 +306,6 @@ def load(tm: TinkerModel, path: Path, with_optimizer: bool) -> None:
     run.version += 1
     tm.batches, tm.grads = [], None
     mx.eval(run.model.parameters(), run.optimizer.state)
-
-
-def config_of(path: Path) -> dict:
-    return json.loads((path / ADAPTER_CONFIG).read_text())
-
-
-def sampler_model(loaded, path: Path) -> nn.Module:
-    """The serving base with the adapter saved at PATH (for an engine of its own)."""
-    model = lora_model(loaded, config_of(path))
-    model.update(tree_unflatten(list(mx.load(str(path / "adapters.safetensors")).items())))
-    model.eval()
-    mx.eval(model.parameters())
-    return model
 
 
 def prompt_logprobs(model: nn.Module, ids: list[int]) -> list[float | None]:

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.api.edge import json_response
-from rlproxy.appkeys import ENGINE, MODEL, RANKS, SETTINGS, TINKER
+from rlproxy.appkeys import ENGINE, MODEL, RANKS, SAVED, SETTINGS, TINKER
 from rlproxy.mlx_threads import Worker
 from rlproxy.ops.health import served_names
 from rlproxy.tinker import models, ranks, runs, wire
@@ -410,13 +410,12 @@ async def tinker_context(app: web.Application):
     settings = app[SETTINGS]
     loaded, engine = app[MODEL], app[ENGINE]
     worker = Worker()
-    samplers = Samplers(loaded, engine, worker)
+    samplers = Samplers(loaded, engine, worker, app[SAVED])
     app[TINKER] = TinkerState(loaded, Path(settings.records.data_dir) / paths.TINKER,
                               settings.server.tinker_max_models, worker, samplers)
     if RANKS in app:  # under mlx.launch: every rank computes a share of each batch
         app[TINKER].compute = functools.partial(ranks.value_grads, app[RANKS])
     yield
-    samplers.close()
     await asyncio.get_running_loop().run_in_executor(None, worker.stop)
 
 

@@ -2,13 +2,12 @@
 
 All sampling goes through the proxy's one engine. A session made on the base model samples with
 the live adapter (the default). A session made from saved sampler weights names an adapter the
-engine serves beside the live one (Engine.add_adapter: a model object that shares the serving
-model's frozen base arrays and carries the saved LoRA weights, decoded by a BatchGenerator of
-its own, stepped in turn with the live batch); at most MAX_ADAPTERS are loaded at once, the least
-recently used is dropped first. Saved weights are loaded once however many samples ask for them
-at the same moment (a recipe fires all its rollouts right after save_weights_and_get_sampling_
-client): the first starts the load, the others wait for it. Each job carries the model object it
-was admitted with, so a sampler dropped or replaced meanwhile never fails a sample under way.
+engine serves beside the live one (serving/saved.py: a model object that shares the serving
+model's frozen base arrays and carries the saved LoRA weights; at most MAX_ADAPTERS loaded, the
+least recently used dropped first; weights that many samples ask for at the same moment, as a
+recipe's rollouts right after save_weights_and_get_sampling_client, are loaded once). Each job
+carries the model object it was admitted with, so a sampler dropped or replaced meanwhile never
+fails a sample under way.
 Prompt log-probs (compute_logprobs) are computed on the Tinker worker thread from the same model
 object the session samples with.
 """
@@ -18,21 +17,20 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from rlproxy.lru import LRU
 from rlproxy.mlx_threads import Worker
 from rlproxy.serving.engine import Engine, Job, SamplingParams, asyncio_delivery
+from rlproxy.serving.saved import SavedAdapters
 from rlproxy.tinker import models
 from rlproxy.tinker.wire import UserError
 
-MAX_ADAPTERS = 8
-
 
 class Samplers:
-    def __init__(self, loaded, engine: Engine, worker: Worker):
-        self.loaded, self.engine, self.worker = loaded, engine, worker
+    """Sampling sessions -> the weights each samples with: the live adapter, or saved sampler
+    weights served by name (serving/saved.py, the path `MODEL@STEP` requests take too)."""
+
+    def __init__(self, loaded, engine: Engine, worker: Worker, saved: SavedAdapters):
+        self.loaded, self.engine, self.worker, self.saved = loaded, engine, worker, saved
         self.sessions: dict[str, dict] = {}  # id -> {"path": Path | None, "model_path": str}
-        self.adapters: LRU[str, object] = LRU(MAX_ADAPTERS)  # adapter name -> its model
-        self.loading: dict[str, asyncio.Task] = {}  # adapter name -> its load under way
 
     def open(self, session_id: str, path: Path | None, model_path: str | None) -> None:
         self.sessions[session_id] = {"path": path, "model_path": model_path}
@@ -45,34 +43,9 @@ class Samplers:
         if path is None:
             return None, self.loaded.model
         try:  # a save under the same name replaces the weights: a new name for the engine
-            name = f"{path}@{(path / 'adapters.safetensors').stat().st_mtime_ns}"
-        except OSError:
+            return await self.saved.model_for(path)
+        except FileNotFoundError:
             raise UserError(f"no sampler weights at {self.sessions[session_id]['model_path']}")
-        if name in self.adapters:
-            return name, self.adapters.get(name)
-        load = self.loading.get(name)
-        if load is None:  # the first to ask loads it; the others wait for that one load
-            load = self.loading[name] = asyncio.create_task(self._load(name, path))
-            load.add_done_callback(lambda _: self.loading.pop(name, None))
-        # shielded: a waiter whose request is cancelled does not cancel the others' load
-        return name, await asyncio.shield(load)
-
-    async def _load(self, name: str, path: Path):
-        model = await asyncio.wrap_future(self.worker.run(models.sampler_model, self.loaded, path))
-        if len(self.adapters) >= MAX_ADAPTERS:
-            oldest = self.adapters.oldest()  # the least recently used goes, from the engine too
-            self.adapters.pop(oldest)
-            self.engine.drop_adapter(oldest)  # its samples under way finish first
-        self.engine.add_adapter(name, model)
-        self.adapters.put(name, model)
-        return model
-
-    def close(self) -> None:
-        for load in list(self.loading.values()):
-            load.cancel()
-        for name in list(self.adapters):
-            self.engine.drop_adapter(name)
-            self.adapters.pop(name)
 
 
 def check_prompt(ids: list[int], max_tokens: int, vocab: int, context: int) -> None:
