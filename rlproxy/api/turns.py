@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -46,10 +47,12 @@ from aiohttp import web
 
 from rlproxy.api.streams import ClientStalled
 from rlproxy.api.tags import TurnTags
-from rlproxy.appkeys import ENGINE, MODEL, SESSIONS, SETTINGS, STOPPING
+from rlproxy import paths
+from rlproxy.appkeys import ENGINE, MODEL, SAVED, SESSIONS, SETTINGS, STOPPING
 from rlproxy.ops import metrics
 from rlproxy.ops.health import served_names
 from rlproxy.ops.logs import TURN_UID
+from rlproxy.paths import complete_checkpoints, kept_checkpoint
 from rlproxy.protocol import APIError, ChatRequest
 from rlproxy.serving.completions import MAX_BACKLOG, ChoiceEvent, ChoiceRecord, EngineFailure, \
     Generation, Interrupted, Prompt, build_prompt, sampling_params
@@ -208,7 +211,7 @@ async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api
     chained request (Responses' previous_response_id) continues, for the session store."""
     app = request.app
     settings, store = app[SETTINGS], app[SESSIONS]
-    if settings.server.strict_model_names and req.model not in served_names(app):
+    if settings.server.strict_model_names and base_name(req.model) not in served_names(app):
         raise APIError(404, f"The model '{req.model}' does not exist", param="model",
                        code="model_not_found")
     # Keyed per API: a retry comes back through the door it first used, in that door's shape.
@@ -261,13 +264,54 @@ async def make_call(request: web.Request, req: ChatRequest, tags: TurnTags, api:
                              settings.engine.default_max_tokens, model.vocab_size,
                              settings.engine.strict_max_tokens,
                              settings.engine.max_completion_tokens)
+    saved = await saved_checkpoint(app, req.model)
+    if saved is not None:
+        tags.opt_out = True  # a checkpoint is served read-only: never filed, never trained
     place = None
     if not tags.opt_out:
         place = store.resolve(tags, prompt.messages, prompt.tools, req.max_tokens, thread_hint)
     return Call(request, req, tags, api, prompt, params,
                 Generation(engine, model.tokenizer, prompt, params, req,
-                           reasoning=settings.engine.reasoning_parser == "auto"), place,
+                           reasoning=settings.engine.reasoning_parser == "auto", adapter=saved),
+                place,
                 {"X-Session-Id": place.session.id} if place else {})
+
+
+STEP_SUFFIX = re.compile(r"(.*)@([0-9]{1,9})")
+
+
+def base_name(model: str | None) -> str | None:
+    """MODEL without an `@STEP` suffix."""
+    m = STEP_SUFFIX.fullmatch(model or "")
+    return m[1] if m else model
+
+
+async def saved_checkpoint(app: web.Application, model: str | None) -> tuple[str, object] | None:
+    """`MODEL@STEP`: the adapter of the kept checkpoint of training step STEP, served by name
+    beside the live one (serving/saved.py), as (its name, its model object); None for a name
+    without `@STEP`. 404 where no complete checkpoint of that step is kept."""
+    m = STEP_SUFFIX.fullmatch(model or "")
+    if m is None:
+        return None
+    if SAVED not in app:  # --sampler tinker: no local weights to serve a checkpoint with
+        raise APIError(409, f"'{model}' names a checkpoint, and this server holds no local "
+                       "weights (--sampler tinker)", param="model", code="no_local_model")
+    step = int(m[2])
+    path = kept_checkpoint(app[SETTINGS].records.data_dir / paths.CHECKPOINTS, step)
+    if path is not None:
+        try:
+            return await app[SAVED].model_for(path)
+        except FileNotFoundError:  # pruned since it was listed
+            pass
+        except Exception as e:  # noqa: BLE001  (another model's or layout's adapter)
+            raise APIError(409, f"checkpoint {path.name} cannot be served by this model: "
+                           f"{type(e).__name__}: {e}", param="model",
+                           code="checkpoint_unusable") from None
+    have = [p.name for p in complete_checkpoints(app[SETTINGS].records.data_dir
+                                                 / paths.CHECKPOINTS)]
+    raise APIError(404, f"The model '{model}' does not exist: no complete checkpoint of step "
+                   f"{step} is kept (kept: {', '.join(have) or 'none'})", param="model",
+                   code="model_not_found")
 
 
 @asynccontextmanager

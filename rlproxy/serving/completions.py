@@ -161,7 +161,8 @@ class Generation:
     round trip through the event loop, which may be the thing that is slow)."""
 
     def __init__(self, engine: Engine, tokenizer, prompt: Prompt, params: list[SamplingParams],
-                 req: ChatRequest, reasoning: bool = True, max_backlog: int = MAX_BACKLOG):
+                 req: ChatRequest, reasoning: bool = True, max_backlog: int = MAX_BACKLOG,
+                 adapter: tuple[str, object] | None = None):
         self.engine, self.tokenizer, self.prompt, self.req = engine, tokenizer, prompt, req
         self.queue: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -177,8 +178,10 @@ class Generation:
         self._cut = [False] * len(params)
         self._behind_since: list[float | None] = [None] * len(params)  # the engine thread's
         # every job exists before the first is submitted: _deliver finds its own by index
-        self.jobs = [Job(prompt.ids, p, functools.partial(self._deliver, i))
-                     for i, p in enumerate(params)]
+        # ADAPTER: (name, model object) of an adapter served by name (serving/saved.py)
+        name, model = adapter or (None, None)
+        self.jobs = [Job(prompt.ids, p, functools.partial(self._deliver, i), adapter=name,
+                         adapter_model=model) for i, p in enumerate(params)]
         for job in self.jobs:
             engine.submit(job)
         self.records = [ChoiceRecord(index=i, seed=j.params.seed) for i, j in enumerate(self.jobs)]
