@@ -7,8 +7,8 @@ leave between steps). The asyncio side talks to it only through `submit`, `cance
 takes token ids and gives token ids with their log-probs (the records are serving/jobs.py).
 Sampling rules are serving/sampler.py; how a job's prompt KV gets ready (prefix-cache restore on
 a loader thread, long prompts prefilled chunk by chunk between decode steps) is
-serving/prefill.py; adapters served by name beside the live one (Tinker's sampler weights) are
-serving/named.py. Its counters are `EngineStats`, read by /healthz, /metrics and the dashboard.
+serving/prefill.py; adapters served by name beside the live one (Tinker's sampler weights,
+`MODEL@STEP`) decode in the same batch, each row with its own adapter (serving/named.py). Its counters are `EngineStats`, read by /healthz, /metrics and the dashboard.
 
 With a prefix cache (kv/prefix_cache.py), each new job starts from the longest stored prefix of its
 prompt under the adapter now served or, with `--kv-reuse-max-lag N`, one of the N before it, and
@@ -56,7 +56,7 @@ from rlproxy.serving.jobs import Token  # noqa: F401  (the engine's interface)
 from rlproxy.serving.logprobs import chosen_logprobs, top_logprobs
 from rlproxy.serving.merge import merge_layers, merged_bytes, merged_weights, set_merged
 from rlproxy.serving.model import adapter_slots, lora_weights, put_adapter
-from rlproxy.serving.named import NamedAdapters
+from rlproxy.serving.named import NamedAdapters, RowsModel
 from rlproxy.serving.prefill import Loader, PrefillLane
 from rlproxy.serving.sampler import make_processors, make_sampler
 from rlproxy.serving.speculate import LoneStream, speculable, speculation
@@ -114,8 +114,7 @@ class Engine:
         self._loader: Loader | None = None
         self._gen: BatchGenerator | None = None
         self._jobs: dict[int, Job] = {}  # in the live BatchGenerator, by uid
-        self._named = NamedAdapters(self._new_generator, self._fail, self.eos_token_ids,
-                                    self.stats)
+        self._named = NamedAdapters(model)  # named adapters' rows in this one batch
         self._lane = PrefillLane(model, prefill_step_size, min(8, max_batch))
         self._group_pending = False  # a group was handed over; the next step prefills it
 
@@ -232,12 +231,11 @@ class Engine:
                 self._fail_all(self.error or "the engine stopped")
                 if self._gen is not None:
                     self._gen.close()
-                self._named.close()
                 self._gen = None
 
-    def _new_generator(self, model: nn.Module | None = None) -> BatchGenerator:
+    def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
-            model or self.model,
+            RowsModel(self.model, self._named),  # each pass: which row runs which adapter
             stop_tokens=[[t] for t in self.eos_token_ids],
             completion_batch_size=self.max_batch,
             prefill_batch_size=min(8, self.max_batch),
@@ -253,7 +251,6 @@ class Engine:
         while self._running:
             self._drain_inbox()
             self._release_retired()
-            self._named.step()  # named adapters' requests: one step each, between live steps
             self.stats.active = self._active()
             if self._lone is not None:
                 if not self._jobs and not self._lane:
@@ -262,9 +259,8 @@ class Engine:
                     continue
                 self._hand_over()  # another job wants to decode: the batch takes both
             if not self._jobs and not self._lane:
-                if not self._named.busy():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
                 previous_version = self.adapter_version
                 continue
             if self._lane.due(bool(self._jobs), self.max_batch - len(self._jobs)):
@@ -278,6 +274,7 @@ class Engine:
             except Exception as e:  # one bad batch fails its requests, not the server
                 log.exception("decode step failed")
                 self._fail_jobs(self._jobs, f"{type(e).__name__}: {e}")
+                self._named.of_uid.clear()
                 self._gen = self._new_generator()
                 self._group_pending = False
                 continue
@@ -299,7 +296,7 @@ class Engine:
         when nothing decodes: dropping all of SmolLM2's at once (210 buffers, 405 MiB) took
         30-90 ms on this thread, a pause in every stream; a few a step cost well under a
         millisecond. The next `publish_adapter` drops what is left, on its own thread."""
-        busy = self._jobs or self._lane or self._lone is not None or self._named.busy()
+        busy = self._jobs or self._lane or self._lone is not None
         for _ in range(RETIRE_PER_STEP if busy else len(self._retired)):
             try:
                 self._retired.pop()
@@ -317,6 +314,7 @@ class Engine:
                 weights, version, fingerprint, merged, extra_bytes = payload
                 tic = time.perf_counter()
                 put_adapter(self.model, self._adapter_slots, weights)
+                self._named.invalidate()  # the stacks of named rows hold the live arrays
                 if self._merge_layers:
                     self._retired.extend(set_merged(self._merge_layers, merged))
                     self.stats.merged, self.stats.merged_bytes = merged is not None, extra_bytes
@@ -334,10 +332,14 @@ class Engine:
             if not job.done:
                 self._fail(job, "the engine stopped")
             return
-        if job.adapter is not None:
-            return self._named.insert(job)
         restored, job.restored = job.restored, None
-        if self.prefix_cache is not None:
+        if job.adapter is not None:  # a named adapter: its model now, no prefix cache
+            try:
+                job.adapter_model, restored = self._named.model_for(job), None
+            except KeyError as e:
+                log.warning("a job for adapter %s was refused: %s", job.adapter, e)
+                return self._fail(job, f"KeyError: {e}")
+        elif self.prefix_cache is not None:
             served = self.prefix_cache.served()
             if restored is None or job.kv_source not in self.prefix_cache.window():
                 # a miss, or an adapter swap since the lookup outran the window: start afresh
@@ -355,7 +357,7 @@ class Engine:
         if (self.speculate == "ngram" and alone and self._lone is None and not self._jobs
                 and not self._lane and speculable(job, job.seeded)):
             try:
-                self._lone = LoneStream.start(self.model, job, cache, done)
+                self._lone = LoneStream.start(self._model_of(job), job, cache, done)
             except Exception as e:  # this prompt fails, nothing else
                 log.exception("prefill for a lone stream failed")
                 self._fail(job, f"{type(e).__name__}: {e}")
@@ -379,6 +381,8 @@ class Engine:
             return False
         job.uid = uid
         self._jobs[uid] = job
+        if job.adapter is not None:
+            self._named.admitted(uid, job.adapter_model)
         return True
 
     def _prefill(self) -> None:
@@ -398,7 +402,11 @@ class Engine:
         if item is None:
             return
         try:
-            ready = self._lane.run(item)
+            self._named.use([item.job.adapter_model])  # this prompt's adapter
+            try:
+                ready = self._lane.run(item)
+            finally:
+                self._named.clear()
         except Exception as e:  # this prompt fails, nothing else
             log.exception("prefill chunk failed")
             self._lane.remove(item.job)
@@ -415,8 +423,6 @@ class Engine:
         self.stats.max_prefill_chunk_ms = max(self.stats.max_prefill_chunk_ms, chunk_ms)
 
     def _cancel(self, job: Job) -> None:
-        if job.adapter is not None:
-            return self._named.cancel(job)
         if self._lone is not None and self._lone.job is job:
             lone, self._lone = self._lone, None
             if self.prefix_cache is not None:
@@ -429,6 +435,7 @@ class Engine:
                 if job.uid in kept:
                     self._store(job, *kept[job.uid])
             del self._jobs[job.uid]
+            self._named.ended(job.uid)
         else:
             item = self._lane.remove(job)
             if item is not None and self.prefix_cache is not None:  # what it prefilled so far
@@ -444,11 +451,13 @@ class Engine:
             job = self._jobs[r.uid]
             job.produced += 1
             k = job.params.top_logprobs
-            token = Token(id=r.token, logprob=logprob, adapter_version=version,
+            token = Token(id=r.token, logprob=logprob,
+                          adapter_version=version if job.adapter is None else 0,
                           top=top_logprobs(r.logprobs, k) if k else None)
             self.stats.tokens += 1
             if r.finish_reason is not None:
                 del self._jobs[r.uid]
+                self._named.ended(r.uid)
                 job.done = True
                 if self.prefix_cache is not None:  # before the last token: a next turn finds it
                     self._store(job, r.prompt_cache, r.all_tokens)
@@ -458,9 +467,9 @@ class Engine:
         """One speculative step of the lone stream: its tokens delivered, the stream ended at
         an end token or its budget."""
         lone, job = self._lone, self._lone.job
-        version = self.adapter_version
+        version = self.adapter_version if job.adapter is None else 0
         try:
-            emitted = lone.step(self.model)
+            emitted = lone.step(self._model_of(job))
         except Exception as e:  # this stream fails, nothing else
             log.exception("speculative step failed")
             self._lone = None
@@ -506,6 +515,7 @@ class Engine:
             return
         self._gen.remove([uid])
         del self._jobs[uid]
+        self._named.ended(uid)
         job.uid = None
         self._lone = lone
 
@@ -531,12 +541,18 @@ class Engine:
         job.uid = uid
         job.produced = 0  # counts this batched phase: a take-back needs a token out of it
         self._jobs[uid] = job
+        if job.adapter is not None:
+            self._named.admitted(uid, job.adapter_model)
+
+    def _model_of(self, job: Job) -> nn.Module:
+        """The model a lone stream decodes JOB with: its named adapter's own, or the live one."""
+        return job.adapter_model if job.adapter is not None else self.model
 
     def _store(self, job: Job, cache, tokens: list[int]) -> None:
         """Hand a job's KV (covering exactly `tokens`: prompt + every sampled token) to the
         prefix cache if it holds something new; the store files it under the job's oldest
         adapter, or refuses it when that one has left the reuse window."""
-        if len(tokens) > job.cached_tokens:
+        if job.adapter is None and len(tokens) > job.cached_tokens:  # named: not the live KV
             prompt_end = min(len(job.prompt_ids), len(tokens))
             self.prefix_cache.put(list(tokens), cache, [prompt_end, len(tokens)], job.kv_source)
 
@@ -551,7 +567,6 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         self._running = False
-        self._named.fail_all(message)
         if self._lone is not None:
             job, self._lone = self._lone.job, None
             self._fail(job, message)

@@ -326,6 +326,11 @@ class ServingLoRALinear(LoRALinear):
     base model's own projection."""
 
     def __call__(self, x):
+        rows = getattr(self, "_rows", None)  # serving/named.py: each row's own adapter
+        if rows is not None and rows.mask is not None:
+            a, b = self._row_lora  # the batch's adapters: A side by side, scaled B stacked
+            y = self.linear(x)
+            return y + (((x @ a) * rows.mask) @ b).astype(y.dtype)
         m = getattr(self, "_merged", None)  # serving/merge.py: W + s (A B)^T, or None
         if (m is not None and m.a is self.lora_a and m.b is self.lora_b
                 and m.base is self.linear.weight and not self.training):
@@ -420,6 +425,7 @@ def saved_adapter_model(loaded, path: Path) -> nn.Module:
     own over the base arrays, for the engine to serve by name (Engine.add_adapter)."""
     model = lora_model(loaded, adapter_config(path))
     model.update(tree_unflatten(list(mx.load(str(path / "adapters.safetensors")).items())))
+    serve_lora_in_one_step(model)  # a lone stream on it decodes with its own layers
     model.eval()
     mx.eval(model.parameters())
     return model

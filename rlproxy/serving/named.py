@@ -1,145 +1,151 @@
-"""Adapters the engine serves by name beside the live one (the Tinker API's sampler weights).
+"""Adapters the engine serves by name beside the live one, decoded in the live batch.
 
-Each named adapter is a model object sharing the serving model's frozen base arrays with LoRA
-weights of its own, decoded by a BatchGenerator of its own (a lane) that the engine steps in turn
-with the live batch. A lane belongs to a model object, not to a name: a job is admitted to the
-lane of the model it names (`Job.adapter_model`, else the one its name holds now) and finishes
-there. So adding a name again with the same model changes nothing, and replacing or dropping a
-name never fails a job already admitted: its lane decodes on until its last job ends, then
-closes. No prefix cache here (its KV is not the live adapter's). Engine thread only; knows
-nothing of HTTP or of the Tinker API.
+A named adapter (the Tinker API's sampler weights, a checkpoint asked for as `MODEL@STEP`:
+serving/saved.py) is a model object sharing the serving model's frozen base arrays with LoRA
+weights of its own. Its jobs decode in the engine's one batch, with the live adapter's: every
+forward pass of the serving model knows which row runs which adapter (`RowsModel`, `use`), and
+each LoRA projection adds, per row, that row's adapter term (ServingLoRALinear in
+serving/model.py: y = x W^T + s_i (x A_i) B_i for row i's adapter). The adapters' A are laid
+side by side and their scaled B one under the other, so the term is two plain matmuls for the
+whole batch, ((x [A_0 A_1 ..]) * mask) [s_0 B_0; s_1 B_1; ..], the mask keeping each row's own
+columns: no per-row gather, no small batched matmuls. A pass whose rows all
+run the live adapter takes the live path unchanged (merged weights included: serving/merge.py).
+So N adapters cost one decode step, not N (S-LoRA and Punica gather LoRA weights per row the
+same way).
+
+The side-by-side arrays are built when the set of adapters in a pass changes, or the live
+adapter is swapped (`invalidate`); adapters may differ in rank (each has its own columns), and a
+layer an adapter has no LoRA on gets zero columns.
+A job is admitted with the model object it names (`Job.adapter_model`, else the one its name
+holds now) and finishes on it, so adding a name again or dropping it never fails a job under
+way. No prefix cache for named jobs (their KV is not the live adapter's), and no speculation.
+Engine thread only; knows nothing of HTTP or of the Tinker API.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
-from typing import Callable
+import sys
+from dataclasses import dataclass
 
+import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator, StopSequences
 
-from rlproxy.serving.jobs import Job, Step, Token
-from rlproxy.serving.sampler import make_processors, make_sampler
-
-log = logging.getLogger("rlproxy.engine")
+from rlproxy.serving.jobs import Job
 
 
 @dataclass
-class Lane:
-    """One adapter model's generator and the jobs decoding in it, by uid."""
-    model: nn.Module
-    gen: BatchGenerator
-    jobs: dict[int, Job] = field(default_factory=dict)
+class RowContext:
+    """Shared by the live model's LoRA layers, for the pass being built: which of the adapters'
+    side-by-side columns each row keeps ([rows, 1, columns], 1 or 0), or None when every row
+    runs the live adapter."""
+    mask: mx.array | None = None
 
 
 class NamedAdapters:
-    """Names -> model objects, and a lane per model object in use. `new_generator(model)` makes
-    a generator on the engine thread's stream, `fail(job, message)` ends a job with an error, and
-    STATS is the engine's `EngineStats` (requests and tokens count here too)."""
+    def __init__(self, model: nn.Module):
+        from rlproxy.serving.model import ServingLoRALinear
 
-    def __init__(self, new_generator: Callable[[nn.Module], BatchGenerator],
-                 fail: Callable[[Job, str], None], eos_token_ids: list[int], stats):
-        self.new_generator, self.fail = new_generator, fail
-        self.eos_token_ids, self.stats = eos_token_ids, stats
         self.names: dict[str, nn.Module] = {}
-        self.lanes: dict[int, Lane] = {}  # id(model) -> its lane (the lane keeps the model alive)
-
-    def busy(self) -> bool:
-        return any(lane.jobs for lane in self.lanes.values())
+        self.ctx = RowContext()
+        self.layers = {n: m for n, m in model.named_modules() if isinstance(m, ServingLoRALinear)}
+        for layer in self.layers.values():
+            layer._rows = self.ctx
+        self.of_uid: dict[int, nn.Module] = {}  # a named job's uid in the batch -> its model
+        self._slots: list[nn.Module] = []  # the stacks' named adapters: slot i + 1
+        self._stale = True
 
     def change(self, kind: str, name: str, model: nn.Module | None) -> None:
         """`add_adapter` (NAME now names MODEL) or `drop_adapter`. Jobs already admitted finish
         on the model they were admitted with."""
-        old = self.names.pop(name, None)
+        self.names.pop(name, None)
         if kind == "add_adapter":
             self.names[name] = model
-        if old is not None and old is not model:
-            self._close_if_unused(id(old))
 
-    def insert(self, job: Job) -> None:
-        p = job.params
-        try:
-            model = job.adapter_model if job.adapter_model is not None else \
-                self.names.get(job.adapter)
-            if model is None:
-                raise KeyError(f"no adapter named {job.adapter!r} is loaded")
-            lane = self.lanes.get(id(model))
-            if lane is None:
-                lane = self.lanes[id(model)] = Lane(model, self.new_generator(model))
-            (uid,) = lane.gen.insert(
-                [job.prompt_ids], max_tokens=[p.max_tokens],
-                samplers=[make_sampler(p.temperature, p.top_p, p.seed, p.top_k)],
-                logits_processors=[make_processors(p.logit_bias, p.presence_penalty,
-                                                   p.frequency_penalty)],
-                stop_sequences=[StopSequences([(t,) for t in self.eos_token_ids])])
-        except Exception as e:
-            log.warning("a job for adapter %s was refused: %s: %s", job.adapter,
-                        type(e).__name__, e)
-            self.fail(job, f"{type(e).__name__}: {e}")
+    def model_for(self, job: Job) -> nn.Module:
+        model = job.adapter_model if job.adapter_model is not None else \
+            self.names.get(job.adapter)
+        if model is None:
+            raise KeyError(f"no adapter named {job.adapter!r} is loaded")
+        return model
+
+    def admitted(self, uid: int, model: nn.Module) -> None:
+        self.of_uid[uid] = model
+
+    def ended(self, uid: int | None) -> None:
+        self.of_uid.pop(uid, None)
+
+    def invalidate(self) -> None:
+        """The live adapter's arrays changed (a swap): the stacks hold the old ones."""
+        self._stale = True
+
+    def rows(self, uids: list[int] | None) -> None:
+        """The next pass runs the batch rows UIDS (None: not known, so no named job may be in
+        the batch)."""
+        if uids is None:
+            if self.of_uid:
+                raise RuntimeError("a forward pass over unknown rows while named adapters run")
+            self.ctx.mask = None
             return
-        job.uid = uid
-        lane.jobs[uid] = job
-        self.stats.requests += 1
+        self.use([self.of_uid.get(uid) for uid in uids])
 
-    def step(self) -> None:
-        """One decode step of every lane with jobs; a lane whose model no name holds any more
-        closes once its last job has ended."""
-        for key, lane in list(self.lanes.items()):
-            if not lane.jobs:
-                continue
-            try:
-                _, responses = lane.gen.next()
-            except Exception as e:  # this lane's jobs fail, nothing else
-                log.exception("decode step for adapter lane %s failed", self._name_of(lane))
-                self.fail_jobs(lane.jobs, f"{type(e).__name__}: {e}")
-                lane.gen.close()
-                lane.gen = self.new_generator(lane.model)
-                self._close_if_unused(key)
-                continue
-            for r in responses:
-                job = lane.jobs.get(r.uid)
-                if job is None:
-                    continue
-                lp = r.logprobs.reshape(-1)[r.token].item()  # temperature 1, as the live lane
-                self.stats.tokens += 1
-                if r.finish_reason is not None:
-                    del lane.jobs[r.uid]
-                    job.done = True
-                job.deliver(Step(token=Token(id=r.token, logprob=lp, adapter_version=0),
-                                 finish_reason=r.finish_reason))
-            self._close_if_unused(key)
+    def use(self, models: list[nn.Module | None]) -> None:
+        """The next pass runs one row per entry of MODELS (None: the live adapter)."""
+        named = [m for m in models if m is not None]
+        if not named:
+            self.ctx.mask = None
+            return
+        if self._stale or any(all(m is not s for s in self._slots) for m in named):
+            self._build(list({id(m): m for m in named}.values()))
+        slot = [0 if m is None else 1 + next(i for i, s in enumerate(self._slots) if s is m)
+                for m in models]
+        self.ctx.mask = (self._columns[None, :] == mx.array(slot)[:, None]).astype(
+            self._dtype)[:, None, :]
 
-    def cancel(self, job: Job) -> None:
-        for key, lane in list(self.lanes.items()):
-            if job.uid is not None and lane.jobs.get(job.uid) is job:
-                lane.gen.remove([job.uid])
-                del lane.jobs[job.uid]
-                self._close_if_unused(key)
-                break
-        job.done = True
+    def clear(self) -> None:
+        self.ctx.mask = None
 
-    def _close_if_unused(self, key: int) -> None:
-        lane = self.lanes.get(key)
-        if lane is not None and not lane.jobs and all(m is not lane.model
-                                                      for m in self.names.values()):
-            lane.gen.close()
-            del self.lanes[key]
+    def _build(self, models: list[nn.Module]) -> None:
+        """Per live LoRA layer, its A and the MODELS' side by side and their B, each scaled, one
+        under the other (zeros where a model has no LoRA on the layer); and which adapter each
+        column belongs to."""
+        own = [{n: m for n, m in model.named_modules() if hasattr(m, "lora_a")}
+               for model in models]
+        ranks = [next(iter(layers.values())).lora_a.shape[1] if layers else 1 for layers in own]
+        for name, layer in self.layers.items():
+            parts = [(layer.lora_a, layer.scale * layer.lora_b)]
+            for layers, rank in zip(own, ranks):
+                m = layers.get(name)
+                parts.append((mx.zeros((layer.lora_a.shape[0], rank), layer.lora_a.dtype),
+                              mx.zeros((rank, layer.lora_b.shape[1]), layer.lora_b.dtype))
+                             if m is None else (m.lora_a, m.scale * m.lora_b))
+            layer._row_lora = (mx.concatenate([a for a, _ in parts], axis=1),
+                               mx.concatenate([b for _, b in parts], axis=0))
+        first = next(iter(self.layers.values()))
+        self._columns = mx.array(sum(([slot] * w for slot, w in enumerate(
+            [first.lora_a.shape[1], *ranks])), []))
+        self._dtype = first.lora_a.dtype
+        mx.eval([layer._row_lora for layer in self.layers.values()], self._columns)
+        self._slots, self._stale = list(models), False
 
-    def _name_of(self, lane: Lane) -> str:
-        return next((n for n, m in self.names.items() if m is lane.model), "(dropped)")
 
-    def fail_jobs(self, jobs: dict, message: str) -> None:
-        for job in list(jobs.values()):
-            self.fail(job, message)
-        jobs.clear()
+class RowsModel:
+    """The serving model as mlx-lm's BatchGenerator calls it: before each forward pass, which
+    row runs which adapter. The generator's passes are made by its batches' own methods
+    (GenerationBatch._step, PromptProcessingBatch.prompt, and a new GenerationBatch's first step
+    in its constructor), each on a batch whose `uids` are its rows in order; the caller's frame
+    is that batch. Everything else is the model's own."""
 
-    def fail_all(self, message: str) -> None:
-        for lane in self.lanes.values():
-            self.fail_jobs(lane.jobs, message)
+    def __init__(self, model: nn.Module, named: NamedAdapters):
+        self.model, self.named = model, named
 
-    def close(self) -> None:
-        """Close every generator (the engine thread is ending)."""
-        for lane in self.lanes.values():
-            lane.gen.close()
-        self.lanes, self.names = {}, {}
+    def __call__(self, *args, **kwargs):
+        caller = sys._getframe(1).f_locals.get("self")
+        uids = getattr(caller, "uids", None)
+        self.named.rows(list(uids) if isinstance(uids, list) else None)
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.named.clear()
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)

@@ -65,7 +65,7 @@ def speculation(setting: str, model) -> str:
 
 def speculable(job: Job, explicit_seed: bool) -> bool:
     p = job.params
-    return (job.adapter is None and not p.presence_penalty and not p.frequency_penalty
+    return (not p.presence_penalty and not p.frequency_penalty
             and (p.temperature == 0 or not explicit_seed))
 
 
