@@ -16,6 +16,10 @@ tokens are counted from `usage`). Aggregate tokens/s of a round is its completio
 wall time; the figures are medians over rounds, and the ratios the goals name: named 4x2 / live
 x8 (goal >= 0.8x) and named x1 / live x1 (goal >= 0.95x). Prints them and writes JSON.
 
+Also the server's resident memory serving the live adapter, after each checkpoint is loaded (a
+named adapter shares the base's arrays: it should cost about its LoRA weights), and after the
+rounds (the mixed passes' side-by-side LoRA arrays).
+
     python bench/adapters.py [--model tiny|smollm2-135m-instruct] [--rounds 3] [--max-tokens 64]
 """
 
@@ -36,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rlproxy  # noqa: E402,F401  (preloads OpenBLAS before mlx)
 import mlx.core as mx  # noqa: E402
 
+from common import proc_memory_mb  # noqa: E402,I001  (bench/: the script dir)
 from rlproxy import paths  # noqa: E402
 from rlproxy.ops.served import Served  # noqa: E402
 from rlproxy.serving.model import load_serving_model, lora_weights, save_adapter  # noqa: E402
@@ -96,23 +101,35 @@ def main() -> None:
         write_checkpoints(a.model, data, 4)
         with Served(data, "--no-train", "--no-judge", "--log-level", "WARNING", model=a.model,
                     wait_s=600) as server:
+            ask(server.url, name, 0, 4)
+            rss = [proc_memory_mb(server.proc.pid)["rss_mb"]]
             for step in (1, 2, 3, 4):  # each checkpoint loaded once, before any round
                 ask(server.url, f"{name}@{step}", 0, 4)
-            ask(server.url, name, 0, 4)
+                rss.append(proc_memory_mb(server.proc.pid)["rss_mb"])
             for r in range(a.rounds):  # alternating: the machine's load hits each alike
                 for c, models in conditions.items():
                     runs[c].append(round_of(server.url, models, a.max_tokens, 100 * r))
                     print(f"round {r + 1} {c}: {runs[c][-1]['tok_s']:.1f} tok/s", flush=True)
             health = server.health() or {}
+            rss.append(proc_memory_mb(server.proc.pid)["rss_mb"])  # the mixed passes' stacks too
     median = {c: statistics.median(x["tok_s"] for x in v) for c, v in runs.items()}
     ratios = {"named 4x2 / live x8": median["named 4x2"] / median["live x8"],
               "named x1 / live x1": median["named x1"] / median["live x1"]}
+    lora_mb = sum(v.nbytes for v in lora_weights(
+        load_serving_model(ModelSettings(model=a.model)).model).values()) / 2**20
+    memory = {"rss_mb_live_then_each_load": rss[:-1], "rss_mb_after_rounds": rss[-1],
+              "per_adapter_mb": [b - a for a, b in zip(rss[:-2], rss[1:-1])],
+              "adapter_weights_mb": lora_mb}
     result = {"model": a.model, "rounds": a.rounds, "max_tokens": a.max_tokens, "runs": runs,
+              "memory": memory,
               "median_tok_s": median, "ratios": ratios, "goals": GOALS,
               "met": {k: ratios[k] >= GOALS[k] for k in GOALS},
               "engine": health.get("engine")}
     for c, v in median.items():
         print(f"{c}: {v:.1f} tok/s (median of {a.rounds})")
+    print(f"memory: RSS {rss[0]:.0f} MB serving the live adapter; each named adapter loaded "
+          f"added {', '.join(f'{x:+.0f}' for x in memory['per_adapter_mb'])} MB (its LoRA "
+          f"weights: {lora_mb:.1f} MB); after the rounds {rss[-1]:.0f} MB")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x (goal >= {GOALS[k]}x: {'met' if result['met'][k] else 'NOT met'})")
     a.out.parent.mkdir(parents=True, exist_ok=True)
