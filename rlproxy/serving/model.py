@@ -328,9 +328,12 @@ class ServingLoRALinear(LoRALinear):
     def __call__(self, x):
         rows = getattr(self, "_rows", None)  # serving/named.py: each row's own adapter
         if rows is not None and rows.mask is not None:
-            a, b = self._row_lora  # the batch's adapters: A side by side, scaled B stacked
+            a, b, scale = self._row_lora  # the batch's adapters: A side by side, B stacked
             y = self.linear(x)
-            return y + (((x @ a) * rows.mask) @ b).astype(y.dtype)
+            if scale is not None and x.dtype == a.dtype == b.dtype == y.dtype:
+                return mx.addmm(y, (x @ a) * rows.mask, b, alpha=scale)
+            z = ((x @ a) * rows.mask) @ b
+            return y + (z if scale is None else scale * z).astype(y.dtype)
         m = getattr(self, "_merged", None)  # serving/merge.py: W + s (A B)^T, or None
         if (m is not None and m.a is self.lora_a and m.b is self.lora_b
                 and m.base is self.linear.weight and not self.training):

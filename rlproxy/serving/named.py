@@ -7,8 +7,9 @@ forward pass of the serving model knows which row runs which adapter (`RowsModel
 each LoRA projection adds, per row, that row's adapter term (ServingLoRALinear in
 serving/model.py: y = x W^T + s_i (x A_i) B_i for row i's adapter). The adapters' A are laid
 side by side and their scaled B one under the other, so the term is two plain matmuls for the
-whole batch, ((x [A_0 A_1 ..]) * mask) [s_0 B_0; s_1 B_1; ..], the mask keeping each row's own
-columns: no per-row gather, no small batched matmuls. A pass whose rows all
+whole batch, s ((x [A_0 A_1 ..]) * mask) [B_0; B_1; ..], the mask keeping each row's own
+columns (each B scaled by its own adapter's scale where scales differ): no per-row gather, no
+small batched matmuls. A pass whose rows all
 run the live adapter takes the live path unchanged (merged weights included: serving/merge.py).
 So N adapters cost one decode step, not N (S-LoRA and Punica gather LoRA weights per row the
 same way).
@@ -105,26 +106,31 @@ class NamedAdapters:
         self.ctx.mask = None
 
     def _build(self, models: list[nn.Module]) -> None:
-        """Per live LoRA layer, its A and the MODELS' side by side and their B, each scaled, one
-        under the other (zeros where a model has no LoRA on the layer); and which adapter each
-        column belongs to."""
+        """Per live LoRA layer, its A and the MODELS' side by side and their B one under the
+        other (zeros where a model has no LoRA on the layer), with the adapters' one scale (or
+        None, then each B scaled by its own); and which adapter each column belongs to."""
         own = [{n: m for n, m in model.named_modules() if hasattr(m, "lora_a")}
                for model in models]
         ranks = [next(iter(layers.values())).lora_a.shape[1] if layers else 1 for layers in own]
         for name, layer in self.layers.items():
-            parts = [(layer.lora_a, layer.scale * layer.lora_b)]
+            parts = [(layer.lora_a, layer.lora_b, layer.scale)]
             for layers, rank in zip(own, ranks):
                 m = layers.get(name)
                 parts.append((mx.zeros((layer.lora_a.shape[0], rank), layer.lora_a.dtype),
-                              mx.zeros((rank, layer.lora_b.shape[1]), layer.lora_b.dtype))
-                             if m is None else (m.lora_a, m.scale * m.lora_b))
-            layer._row_lora = (mx.concatenate([a for a, _ in parts], axis=1),
-                               mx.concatenate([b for _, b in parts], axis=0))
+                              mx.zeros((rank, layer.lora_b.shape[1]), layer.lora_b.dtype),
+                              layer.scale) if m is None else (m.lora_a, m.lora_b, m.scale))
+            scales = {float(sc) for _, _, sc in parts}
+            # one scale (the usual case): applied after the matmuls, as each adapter's own
+            # forward does (`addmm(y, x A, B, alpha=scale)`), so the rounding is the same
+            one = scales.pop() if len(scales) == 1 else None
+            layer._row_lora = (mx.concatenate([a for a, _, _ in parts], axis=1),
+                               mx.concatenate([b if one is not None else sc * b
+                                               for _, b, sc in parts], axis=0), one)
         first = next(iter(self.layers.values()))
         self._columns = mx.array(sum(([slot] * w for slot, w in enumerate(
             [first.lora_a.shape[1], *ranks])), []))
         self._dtype = first.lora_a.dtype
-        mx.eval([layer._row_lora for layer in self.layers.values()], self._columns)
+        mx.eval([layer._row_lora[:2] for layer in self.layers.values()], self._columns)
         self._slots, self._stale = list(models), False
 
 
