@@ -8,7 +8,8 @@ takes token ids and gives token ids with their log-probs (the records are servin
 Sampling rules are serving/sampler.py; how a job's prompt KV gets ready (prefix-cache restore on
 a loader thread, long prompts prefilled chunk by chunk between decode steps) is
 serving/prefill.py; adapters served by name beside the live one (Tinker's sampler weights,
-`MODEL@STEP`) decode in the same batch, each row with its own adapter (serving/named.py). Its counters are `EngineStats`, read by /healthz, /metrics and the dashboard.
+`MODEL@STEP`) decode in the same batch, each row with its own adapter (serving/named.py). Its
+counters are `EngineStats`, read by /healthz, /metrics and the dashboard.
 
 With a prefix cache (kv/prefix_cache.py), each new job starts from the longest stored prefix of its
 prompt under the adapter now served or, with `--kv-reuse-max-lag N`, one of the N before it, and
@@ -274,7 +275,7 @@ class Engine:
             except Exception as e:  # one bad batch fails its requests, not the server
                 log.exception("decode step failed")
                 self._fail_jobs(self._jobs, f"{type(e).__name__}: {e}")
-                self._named.of_uid.clear()
+                self._named.forget_rows()
                 self._gen = self._new_generator()
                 self._group_pending = False
                 continue

@@ -75,6 +75,10 @@ class NamedAdapters:
     def ended(self, uid: int | None) -> None:
         self.of_uid.pop(uid, None)
 
+    def forget_rows(self) -> None:
+        """The batch was dropped (a failed step): no named job is in it any more."""
+        self.of_uid.clear()
+
     def invalidate(self) -> None:
         """The live adapter's arrays changed (a swap): the stacks hold the old ones."""
         self._stale = True

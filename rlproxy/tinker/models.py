@@ -29,10 +29,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from rlproxy.paths import ADAPTER_CONFIG, TRAINER_STATE
+from rlproxy.paths import TRAINER_STATE
 from rlproxy.serving.logprobs import sequence_logprobs, token_logprobs
-from rlproxy.serving.model import lora_model, lora_weights, save_adapter, saved_adapter_model
-from rlproxy.serving.model import adapter_config as config_of
+from rlproxy.serving.model import lora_model, lora_weights, save_adapter
+from rlproxy.serving.model import adapter_config as config_of  # noqa: F401  (runs.py, routes.py)
 from rlproxy.tinker.wire import UserError
 from rlproxy.training import losses
 from rlproxy.training.checkpoints import load_checkpoint, save_optimizer, written_whole
