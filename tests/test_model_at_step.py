@@ -33,6 +33,9 @@ def test_a_checkpoint_is_served_by_name_read_only_beside_the_live_adapter(own, t
             greedy(c, "m@1")
         assert "no complete checkpoint of step 1 is kept (kept: none)" in str(missing.value)
         assert missing.value.body["param"] == "model"
+        served = c.models.list().data[0].id  # GET /v1/models/{id} knows served names only
+        with pytest.raises(openai.NotFoundError):
+            c.models.retrieve(f"{served}@1")
         run_sessions(s.url, 0, 1)
         wait_for_steps(s.url, 1)
         run_sessions(s.url, 1, 1)
@@ -47,6 +50,10 @@ def test_a_checkpoint_is_served_by_name_read_only_beside_the_live_adapter(own, t
                                  extra_body={"temperature": 0})  # this SDK: no argument
         with pytest.raises(openai.NotFoundError):
             greedy(c, "m@7")
+        assert c.models.retrieve(f"{served}@1").id == f"{served}@1"  # a kept checkpoint
+        for unknown in (f"{served}@7", "m@1"):  # no such step; no such name
+            with pytest.raises(openai.NotFoundError):
+                c.models.retrieve(unknown)
         # read-only: none of these was filed into a session; the live adapter's request is
         at_steps = sessions()
         live = greedy(c, "m")

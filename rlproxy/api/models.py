@@ -6,9 +6,12 @@ from datetime import datetime, timezone
 
 from aiohttp import web
 
+from rlproxy import paths
 from rlproxy.api.edge import json_response
+from rlproxy.api.turns import STEP_SUFFIX
 from rlproxy.appkeys import MODEL, SETTINGS, STARTED
 from rlproxy.ops.health import served_names
+from rlproxy.paths import kept_checkpoint
 from rlproxy.protocol import APIError, shown
 
 
@@ -38,8 +41,13 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def get_model(request: web.Request) -> web.Response:
-    name = request.match_info["model_id"]
-    if name not in served_names(request.app):
+    """A served name, or `NAME@STEP` while checkpoint STEP is kept (api/turns.py serves it)."""
+    app, name = request.app, request.match_info["model_id"]
+    step = STEP_SUFFIX.fullmatch(name)
+    known = name in served_names(app) if step is None else (
+        step[1] in served_names(app) and kept_checkpoint(
+            app[SETTINGS].records.data_dir / paths.CHECKPOINTS, int(step[2])) is not None)
+    if not known:
         raise APIError(404, f"The model {shown(name)} does not exist", param="model",
                        code="model_not_found")
-    return json_response(model_card(request.app, name))
+    return json_response(model_card(app, name))
