@@ -5,6 +5,8 @@ independent reading of the checkpoint: mlx-lm's own loader with its `adapter_pat
 
 from __future__ import annotations
 
+import shutil
+
 import anthropic
 import mlx.core as mx
 import mlx_lm
@@ -50,6 +52,18 @@ def test_a_checkpoint_is_served_by_name_read_only_beside_the_live_adapter(own, t
                                  extra_body={"temperature": 0})  # this SDK: no argument
         with pytest.raises(openai.NotFoundError):
             greedy(c, "m@7")
+        # a checkpoint whose adapter misfits the model: refused at its load, nothing else hurt
+        misfit = tmp_path / paths.CHECKPOINTS / "step_000009"
+        shutil.copytree(paths.kept_checkpoint(tmp_path / paths.CHECKPOINTS, 2), misfit)
+        arrays = mx.load(str(misfit / "adapters.safetensors"))
+        first = sorted(arrays)[0]
+        arrays[first] = arrays[first].T
+        mx.save_safetensors(str(misfit / "adapters.safetensors"), arrays)
+        with pytest.raises(openai.ConflictError) as refused:
+            greedy(c, "m@9")
+        assert "checkpoint step_000009 cannot be served by this model" in str(refused.value)
+        assert f"{first}: " in str(refused.value)
+        assert greedy(c, "m@1") == (text1, lps1)  # the batch and the loaded adapters go on
         assert c.models.retrieve(f"{served}@1").id == f"{served}@1"  # a kept checkpoint
         for unknown in (f"{served}@7", "m@1"):  # no such step; no such name
             with pytest.raises(openai.NotFoundError):

@@ -427,7 +427,21 @@ def saved_adapter_model(loaded, path: Path) -> nn.Module:
     """The serving base with the adapter saved at PATH (mlx-lm's layout): a model object of its
     own over the base arrays, for the engine to serve by name (Engine.add_adapter)."""
     model = lora_model(loaded, adapter_config(path))
-    model.update(tree_unflatten(list(mx.load(str(path / "adapters.safetensors")).items())))
+    saved = mx.load(str(path / "adapters.safetensors"))
+    # MLX's update takes arrays of any shape without a word; a misfit would fail the decode
+    # batch it joins (serving/named.py), every other request in it too: refused here instead
+    want = {k: v.shape for k, v in lora_weights(model).items()}
+    have = {k: v.shape for k, v in saved.items()}
+    if want != have:
+        k = sorted(set(want) ^ set(have) or [k for k in want if want[k] != have[k]])[0]
+        raise ValueError(f"{k}: {have.get(k)} in the adapter, {want.get(k)} in its config's "
+                         "layout on this model")
+    live = {n for n, m in loaded.model.named_modules() if hasattr(m, "lora_a")}
+    extra = sorted({n for n, m in model.named_modules() if hasattr(m, "lora_a")} - live)
+    if extra:
+        raise ValueError(f"it adapts {extra[0]} (and {len(extra) - 1} more), which the served "
+                         "model's adapter does not: serve with --lora-layers covering them")
+    model.update(tree_unflatten(list(saved.items())))
     serve_lora_in_one_step(model)  # a lone stream on it decodes with its own layers
     model.eval()
     mx.eval(model.parameters())
