@@ -83,3 +83,42 @@ def test_rows_of_several_adapters_decode_together_each_with_its_own(which, specu
         assert mx.argmax(logits, axis=-1).tolist() == ids, name  # greedy: its own argmax
     # the adapters differ enough that the same prompt reads differently under each
     assert got[2] != got[3]
+
+
+def test_sampler_weights_that_misfit_the_model_are_a_user_error_not_a_failed_batch(own,
+                                                                                    tmp_path):
+    """Saved weights whose arrays misfit their layout are refused when loaded (serving/model.py
+    `saved_adapter_model`), as the Tinker API's user error naming the array; joined to the
+    batch, they would fail every request decoding in it."""
+    import asyncio
+
+    from rlproxy.serving.model import save_adapter
+    from rlproxy.serving.saved import SavedAdapters
+    from rlproxy.tinker.sampling import Samplers
+    from rlproxy.tinker.wire import UserError
+
+    folder = save_adapter(own.model, own.lora_config, tmp_path / "weights")
+    arrays = mx.load(str(folder / "adapters.safetensors"))
+    first = sorted(arrays)[0]
+    arrays[first] = arrays[first].T
+    mx.save_safetensors(str(folder / "adapters.safetensors"), arrays)
+    engine = Engine(own.model, own.tokenizer.eos_token_ids)
+    engine.start()
+
+    async def ask():
+        saved = SavedAdapters(own, engine)
+        samplers = Samplers(own, engine, None, saved)
+        samplers.open("s", folder, "tinker://run/weights/misfit")
+        try:
+            with pytest.raises(UserError) as refused:
+                await samplers.adapter_for("s")
+            return str(refused.value), dict(saved.adapters)
+        finally:
+            await saved.aclose()
+
+    try:
+        message, loaded = asyncio.run(ask())
+    finally:
+        engine.stop()
+    assert message.startswith("the sampler weights at tinker://run/weights/misfit do not fit")
+    assert f"{first}: " in message and not loaded

@@ -42,10 +42,14 @@ class Samplers:
         path = self.sessions[session_id]["path"]
         if path is None:
             return None, self.loaded.model
+        where = self.sessions[session_id]["model_path"]
         try:  # a save under the same name replaces the weights: a new name for the engine
             return await self.saved.model_for(path)
         except FileNotFoundError:
-            raise UserError(f"no sampler weights at {self.sessions[session_id]['model_path']}")
+            raise UserError(f"no sampler weights at {where}") from None
+        except ValueError as e:  # serving/model.py's check: they do not fit this model
+            raise UserError(f"the sampler weights at {where} do not fit this model: {e}") \
+                from None
 
 
 def check_prompt(ids: list[int], max_tokens: int, vocab: int, context: int) -> None:
