@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from rlproxy.api.edge import Admission
     from rlproxy.ops.ui.index import RecordIndex
+    from rlproxy.pipeline import Adapters
     from rlproxy.scoring.scorer import Scorer
     from rlproxy.serving.engine import Engine
     from rlproxy.serving.model import LoadedModel
@@ -38,6 +39,10 @@ SESSIONS: web.AppKey[SessionStore] = web.AppKey("sessions")
 SCORER: web.AppKey[Scorer] = web.AppKey("scorer")  # finished main turns go here
 STARTED: web.AppKey[float] = web.AppKey("started")
 TRAINER: web.AppKey[Trainer] = web.AppKey("trainer")  # absent with --no-train
+# the personal adapters (pipeline.py), each with its own pipeline; absent when they are off,
+# and ADAPTERS_OFF says why
+ADAPTERS: web.AppKey[Adapters] = web.AppKey("adapters")
+ADAPTERS_OFF: web.AppKey[str] = web.AppKey("adapters_off")
 RESPONSES: web.AppKey[diskcache.Cache] = web.AppKey("responses")  # api/response_store.py
 METRICS: web.AppKey[CollectorRegistry] = web.AppKey("metrics")  # what GET /metrics exposes
 RECORD_INDEX: web.AppKey[RecordIndex] = web.AppKey("record_index")  # the dashboard's records

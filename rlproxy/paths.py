@@ -29,6 +29,7 @@ RANK0_LOG = "rank0.log"  # mlx.launch: rank 0's output after a rank failed (trai
 PREFIX_CACHE = "prefix_cache"  # the on-disk prefix KV store (kv/prefix_cache.py)
 RESPONSES = "responses"  # stored Responses API objects (api/response_store.py)
 TINKER = "tinker"  # the Tinker API's runs and checkpoints (tinker/)
+ADAPTERS = "adapters"  # NAME/ folders: a personal adapter's own records and checkpoints
 LOCK = "rlproxy.lock"  # flock'ed by the one process writing here; holds its PID (lock_data_dir)
 
 # inside a checkpoint folder

@@ -19,10 +19,12 @@ import asyncio
 import functools
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
-from rlproxy.appkeys import DRAINING, ENGINE, MODEL, OUTLIVES, RANKS, SCORER, SESSIONS, TRAINER
+from rlproxy.appkeys import ADAPTERS, ADAPTERS_OFF, DRAINING, ENGINE, MODEL, OUTLIVES, RANKS, \
+    SCORER, SESSIONS, TRAINER
 from rlproxy.ops.progress import phase
 from rlproxy.remote.judge import TINKER, TinkerJudge
 from rlproxy.remote.learner import remote_learner
@@ -32,14 +34,17 @@ from rlproxy.scoring.scorer import Scorer
 from rlproxy.serving.engine import Engine
 from rlproxy.serving.model import LoadedModel, load_base_model
 from rlproxy.sessions.store import SessionStore, sweep_idle_forever
-from rlproxy.settings import Settings
-from rlproxy.paths import RANK0_LOG
+from rlproxy.protocol import APIError
+from rlproxy.serving.personal import PersonalAdapter, training_model
+from rlproxy.settings import Settings, adapter_name
+from rlproxy.paths import ADAPTERS as ADAPTERS_DIR, RANK0_LOG
 from rlproxy.compaction import compact
 from rlproxy.recovery import recover, trainer_start
 from rlproxy.training import distributed
 from rlproxy.training.rank_link import Link
 from rlproxy.training.learner import training_copy
 from rlproxy.training.loop import Trainer
+from rlproxy.training.pacing import StepTurns
 from rlproxy.training.restart import TrainerStart
 
 log = logging.getLogger("rlproxy")
@@ -54,8 +59,16 @@ class Pipeline:
 
 
 def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine,
-                   ranks: Link | None = None) -> Pipeline:
-    judge, teacher, judges = make_judges(settings, model, engine)
+                   ranks: Link | None = None, shared: Pipeline | None = None,
+                   adapter: PersonalAdapter | None = None,
+                   turns: StepTurns | None = None) -> Pipeline:
+    """SHARED: the default adapter's pipeline, whose judges (and KL reference) a personal
+    adapter's uses too, owned by it; ADAPTER: the personal adapter's place in the engine, which
+    its trainer publishes to; TURNS: the trainers' one step at a time."""
+    if shared is None:
+        judge, teacher, judges = make_judges(settings, model, engine)
+    else:
+        judge, teacher, judges = shared.scorer.judge, shared.scorer.teacher, []
     # the judge model's name: its calibration's key in verdict.json
     judge_name = (base_model_name(settings, model) if isinstance(judge, TinkerJudge)
                   else settings.scoring.judge_model if isinstance(judge, RemoteJudge)
@@ -68,7 +81,10 @@ def build_pipeline(settings: Settings, model: LoadedModel, engine: Engine,
             log.info("compacted the records: %d turns of %d closed, trained sessions moved to "
                      "%s", done["turns"], done["sessions"], done["segment"])
     try:
-        trainer = (make_trainer(settings, model, engine, ranks, trainer_start(data_dir))
+        ref = (shared.trainer.learner.ref_model
+               if shared is not None and shared.trainer is not None else None)
+        trainer = (make_trainer(settings, model, engine, ranks, trainer_start(data_dir),
+                                adapter=adapter, turns=turns, ref=ref)
                    if settings.trainer.train else None)
         # every record file read once, for what each part starts from (recovery.py)
         handled = trained_or_quarantined(trainer) if trainer is not None else None
@@ -134,18 +150,24 @@ def make_judges(settings: Settings, model: LoadedModel, engine: Engine):
 
 
 def make_trainer(settings: Settings, loaded: LoadedModel, engine: Engine,
-                 ranks: Link | None = None, start: TrainerStart | None = None) -> Trainer:
-    """START: the trainer's records as recovery.py read them (None: read them now)."""
+                 ranks: Link | None = None, start: TrainerStart | None = None,
+                 adapter: PersonalAdapter | None = None, turns: StepTurns | None = None,
+                 ref=None) -> Trainer:
+    """START: the trainer's records as recovery.py read them (None: read them now). ADAPTER:
+    a personal adapter's trainer: a fresh LoRA of its own, published to ADAPTER; REF: the KL
+    reference model when one is loaded already."""
     with phase("made the trainer's model"):  # no local weights with --sampler tinker
-        model = training_copy(loaded) if loaded.model is not None else None
+        model = (None if loaded.model is None else training_copy(loaded) if adapter is None
+                 else training_model(loaded, settings.trainer.train_seed))
     learner = None  # the local one; --trainer tinker: a Tinker service's (remote/learner.py)
     if settings.remote.trainer == "tinker":
         with phase("joined the Tinker run"):
             learner = remote_learner(settings, loaded, model)
-    ref = load_base_model(settings.model)[0] if settings.trainer.kl_coef > 0 else None
-    trainer = Trainer(settings, model, loaded.lora_config, engine, ref_model=ref,
+    if ref is None and settings.trainer.kl_coef > 0:
+        ref = load_base_model(settings.model)[0]
+    trainer = Trainer(settings, model, loaded.lora_config, adapter or engine, ref_model=ref,
                       vocab_size=loaded.vocab_size, tokenizer=loaded.tokenizer, learner=learner,
-                      ranks=ranks, start=start)
+                      ranks=ranks, start=start, turns=turns)
     try:
         trainer.resume()
         if learner is not None:  # serve the run's newest weights (another replica's steps)
@@ -181,42 +203,206 @@ def ranks_context(settings: Settings):
     return ctx
 
 
-async def stop_when(draining: asyncio.Event, trainer: Trainer | None) -> None:
+async def stop_when(draining: asyncio.Event, trainers) -> None:
     await draining.wait()
-    if trainer is not None:
+    for trainer in trainers():
         trainer.request_stop()
+
+
+@dataclass
+class Running:
+    """A pipeline while it serves: its scorer's worker and its store's idle sweep."""
+    pipeline: Pipeline
+    tasks: list[asyncio.Task]
+
+
+def start(p: Pipeline) -> Running:
+    if p.trainer is not None:
+        p.trainer.start()
+    return Running(p, [asyncio.create_task(p.scorer.run()),
+                       asyncio.create_task(sweep_idle_forever(p.store))])
+
+
+async def stop(r: Running) -> None:
+    """In the order the work flows: the store files its last turns, the trainer ends its step
+    at its next unit, uncharged, and saves (the scorer may still release meanwhile: a restart
+    trains what the stopped trainer did not), then the scorer and the judges it called."""
+    loop, p = asyncio.get_running_loop(), r.pipeline
+    scoring, sweeper = r.tasks
+    sweeper.cancel()
+    await asyncio.gather(sweeper, return_exceptions=True)
+    await loop.run_in_executor(None, p.store.close)  # joins the writer threads
+    if p.trainer is not None:
+        await loop.run_in_executor(None, p.trainer.stop)
+    scoring.cancel()
+    await asyncio.gather(scoring, return_exceptions=True)
+    await loop.run_in_executor(None, p.scorer.close)
+    for backend in p.judges:
+        if isinstance(backend, RemoteJudge):
+            await backend.close()
+        else:
+            await loop.run_in_executor(None, backend.close)
+
+
+@dataclass
+class Personal:
+    """A personal adapter: its pipeline over <data_dir>/adapters/NAME/ and its place in the
+    engine."""
+    name: str
+    running: Running
+    served: PersonalAdapter
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.running.pipeline
+
+    @property
+    def data_dir(self) -> Path:
+        return self.pipeline.store.data_dir
+
+
+class Adapters:
+    """The personal adapters, the one owner of them: each is a pipeline of its own (store ->
+    scorer -> trainer, on its own folder: records, checkpoints, journals), whose trainer
+    publishes to its named place in the engine (serving/personal.py) and takes its steps in turn
+    with the others' (training/pacing.py `StepTurns`). Judges, the model's base arrays and the
+    engine's batch are shared. Its own folder, not tags on shared files: every reader (start-up
+    recovery, `rlproxy train --from`, export, `records tail`, the dashboard's record index)
+    works on one adapter's folder as on a data dir, a turn of one adapter cannot reach
+    another's trainer, and an adapter is removed by removing its folder. Event loop only."""
+
+    def __init__(self, settings: Settings, model: LoadedModel, engine: Engine,
+                 default: Pipeline, turns: StepTurns):
+        self.settings, self.model, self.engine = settings, model, engine
+        self.default, self.turns = default, turns
+        self.by_name: dict[str, Personal] = {}
+        self.root = settings.records.data_dir / ADAPTERS_DIR
+
+    def on_disk(self) -> list[str]:
+        """The adapters with a folder of records (made by an earlier run)."""
+        if not self.root.is_dir():
+            return []
+        names = []
+        for path in sorted(self.root.iterdir()):
+            try:
+                if path.is_dir() and adapter_name(path.name) == path.name:
+                    names.append(path.name)
+            except ValueError:
+                log.warning("%s is not an adapter's folder (not an adapter name): left alone",
+                            path)
+        return names
+
+    def get(self, name: str) -> Personal:
+        """NAME's adapter, made now when it is new (404 with --adapter-names fixed, 409 past
+        --max-adapters)."""
+        if name in self.by_name:
+            return self.by_name[name]
+        s = self.settings.sessions
+        if s.adapter_names == "fixed":
+            raise APIError(404, f"no adapter named '{name}' (--adapter-names fixed: the "
+                           f"adapters are {', '.join(self.by_name) or 'none'})",
+                           param="model", code="adapter_not_found")
+        if len(self.by_name) >= s.max_adapters:
+            raise APIError(409, f"cannot make adapter '{name}': {len(self.by_name)} of "
+                           f"--max-adapters {s.max_adapters} exist "
+                           f"({', '.join(self.by_name) or 'none'})", param="model",
+                           code="adapter_limit")
+        return self.make(name)
+
+    def make(self, name: str) -> Personal:
+        data_dir = self.root / name
+        data_dir.mkdir(parents=True, exist_ok=True)
+        settings = self.settings.model_copy(deep=True)
+        settings.records.data_dir = data_dir
+        served = PersonalAdapter(self.engine, self.model, f"adapter:{name}")
+        served.publish_adapter({}, 0)  # the base until its trainer publishes (or resumes)
+        try:
+            p = build_pipeline(settings, self.model, self.engine, shared=self.default,
+                               adapter=served, turns=self.turns)
+        except BaseException:
+            served.drop()
+            raise
+        personal = self.by_name[name] = Personal(name, start(p), served)
+        log.info("adapter %s: serving version %d from %s", name, served.adapter_version,
+                 data_dir)
+        return personal
+
+    def trainers(self) -> list[Trainer]:
+        return [a.pipeline.trainer for a in self.by_name.values()
+                if a.pipeline.trainer is not None]
+
+    async def close(self) -> None:
+        for personal in list(self.by_name.values()):
+            await stop(personal.running)
+            personal.served.drop()
+        self.by_name.clear()
+
+    def health(self) -> dict:
+        """/healthz's "adapters": each personal adapter's sessions, version and training."""
+        out = {}
+        for name, a in self.by_name.items():
+            t = a.pipeline.trainer
+            out[name] = {"version": a.served.adapter_version,
+                         "sessions_open": a.pipeline.store.health()["open"],
+                         "data_dir": str(a.data_dir),
+                         "trainer": None if t is None else {
+                             "step": t.step, "alive": t.alive, "error": t.error,
+                             "untrained": len(t.books.queued), "paused": t.paused}}
+        return {"max_adapters": self.settings.sessions.max_adapters,
+                "names": self.settings.sessions.adapter_names, "adapters": out}
+
+
+def personal_adapters_off(settings: Settings, ranks: Link | None) -> str | None:
+    """Why this server has no personal adapters, or None."""
+    if settings.sessions.max_adapters == 0 and not settings.sessions.adapters:
+        return "--max-adapters 0"
+    if "tinker" in (settings.remote.trainer, settings.remote.sampler):
+        return "a learner or sampler elsewhere (--trainer/--sampler tinker)"
+    if ranks is not None:
+        return "training on several ranks (mlx.launch)"
+    return None
 
 
 def pipeline_context(settings: Settings):
     async def ctx(app: web.Application):
-        loop = asyncio.get_running_loop()
-        p = build_pipeline(settings, app[MODEL], app[ENGINE], app.get(RANKS))
+        p = build_pipeline(settings, app[MODEL], app[ENGINE], app.get(RANKS),
+                           turns=(turns := StepTurns()))
         if p.trainer is not None:
-            p.trainer.start()
             app[TRAINER] = p.trainer
         app[SCORER], app[SESSIONS] = p.scorer, p.store
-        scoring = asyncio.create_task(p.scorer.run())
-        sweeper = asyncio.create_task(sweep_idle_forever(p.store))
-        # SIGTERM: the trainer's step ends at its next unit while requests drain (api/server.py)
-        stopper = asyncio.create_task(stop_when(app[DRAINING], p.trainer))
+        default = start(p)
+        adapters = None
+        if (off := personal_adapters_off(settings, app.get(RANKS))) is None:
+            adapters = app[ADAPTERS] = Adapters(settings, app[MODEL], app[ENGINE], p, turns)
+        else:
+            app[ADAPTERS_OFF] = off
+            if settings.sessions.adapters:
+                log.warning("--adapters %s: not made, personal adapters are off here (%s)",
+                            ",".join(settings.sessions.adapters), off)
+
+        def trainers():
+            return ([p.trainer] if p.trainer is not None else []) + (
+                adapters.trainers() if adapters is not None else [])
+
+        # SIGTERM: the trainers' steps end at their next unit while requests drain
+        # (api/server.py)
+        stopper = asyncio.create_task(stop_when(app[DRAINING], trainers))
+        try:
+            if adapters is not None:  # named at start-up, or with records from an earlier run
+                for name in dict.fromkeys([*settings.sessions.adapters, *adapters.on_disk()]):
+                    with phase(f"made adapter {name}"):
+                        adapters.make(name)
+        except BaseException:
+            stopper.cancel()
+            if adapters is not None:
+                await adapters.close()
+            await stop(default)
+            raise
         yield
-        # Stopped in the order the work flows: the store files its last turns, the trainer
-        # ends its step at its next unit, uncharged, and saves (the scorer may still release
-        # meanwhile: a restart trains what the stopped trainer did not), then the scorer and the
-        # judges it called.
-        for task in (sweeper, stopper):
-            task.cancel()
-        await asyncio.gather(sweeper, stopper, return_exceptions=True)
-        await loop.run_in_executor(None, p.store.close)  # joins the writer threads
-        if p.trainer is not None:
-            await loop.run_in_executor(None, p.trainer.stop)
-        scoring.cancel()
-        await asyncio.gather(scoring, return_exceptions=True)
-        await loop.run_in_executor(None, p.scorer.close)
-        for backend in p.judges:
-            if isinstance(backend, RemoteJudge):
-                await backend.close()
-            else:
-                await loop.run_in_executor(None, backend.close)
+        stopper.cancel()
+        await asyncio.gather(stopper, return_exceptions=True)
+        if adapters is not None:  # theirs first: they share the default's judges
+            await adapters.close()
+        await stop(default)
 
     return ctx

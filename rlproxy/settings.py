@@ -28,6 +28,20 @@ STD_FLOOR = 0.1
 LOSSES = ("ppo", "importance_sampling", "cispo", "dro", "cross_entropy")
 
 
+ADAPTER_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+def adapter_name(raw: str) -> str:
+    """A personal adapter's name as kept (lower case: it names a folder, and 'Alice' is alice);
+    ValueError for one that is not 1-32 letters, digits, '_' or '-' starting with a letter or
+    digit, or is 'default' (the adapter a request without a name gets)."""
+    name = str(raw).strip().lower()
+    if not ADAPTER_NAME.fullmatch(name) or name == "default":
+        raise ValueError(f"an adapter name is 1-32 letters, digits, '_' or '-', starting with a "
+                         f"letter or digit, and not 'default': {raw!r}")
+    return name
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -387,6 +401,22 @@ class SessionSettings(Section):
     train_sessions_matching: str | None = Field(
         None, description="train only sessions whose id matches this regex; the X-RL-Train "
         "header (1 or 0) decides per request and wins (default: unset, every session)")
+    max_adapters: int = Field(
+        8, ge=0, description="personal adapters at most, besides the default one: a request "
+        "names one with the model MODEL:NAME or the X-RL-Adapter header, and it learns only "
+        "from its own sessions (<data_dir>/adapters/NAME/); past it a new name gets 409 (0: "
+        "off)")
+    adapters: list[str] = Field(
+        [], description="a personal adapter made at start-up (repeatable; those with records "
+        "in <data_dir>/adapters/ are made anyway)")
+    adapter_names: Literal["open", "fixed"] = Field(
+        "open", description="open: a new adapter name is made on its first request; fixed: "
+        "only --adapters and those on disk, any other name gets 404")
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, v):
+        return [adapter_name(name) for name in v]
 
     @field_validator("train_sessions_matching")
     @classmethod

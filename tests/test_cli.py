@@ -159,8 +159,8 @@ def other_value(name: str, info):
         return not default
     if typing.get_origin(kind) is typing.Literal:
         return next(c for c in typing.get_args(kind) if c != default)
-    if typing.get_origin(kind) is list:
-        return ["pkg.mod:one", "pkg.mod:two"]  # valid for every list field, reward functions too
+    if typing.get_origin(kind) is list:  # valid for every list field, reward functions too
+        return ["alice", "bob"] if name == "adapters" else ["pkg.mod:one", "pkg.mod:two"]
     if kind is int:  # None (an optional count): any count its lower bound allows
         low = max((m.ge for m in info.metadata if hasattr(m, "ge")), default=0)
         return max(default or 0, low) + 1

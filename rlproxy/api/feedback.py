@@ -14,7 +14,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlproxy.api.edge import json_body, json_response
-from rlproxy.appkeys import SCORER, SESSIONS
+from rlproxy.api.sessions import learning_paths
 from rlproxy.protocol import APIError, json_int, shown
 
 # A failed field's message, by field: the endpoint's words since before this model existed.
@@ -69,12 +69,16 @@ async def parse_feedback(request: web.Request) -> FeedbackRequest:
 async def feedback(request: web.Request) -> web.Response:
     body = await parse_feedback(request)
     sid = body.session_id
-    uid = request.app[SESSIONS].find_turn(
-        sid, uid=body.turn_uid, index=body.turn_index, turn_id=body.turn_id,
-        step_index=body.step_index, last=body.turn == "last")
+    uid = scorer = None
+    for store, scorer in learning_paths(request):  # the adapter whose session it is
+        uid = store.find_turn(sid, uid=body.turn_uid, index=body.turn_index,
+                              turn_id=body.turn_id, step_index=body.step_index,
+                              last=body.turn == "last")
+        if uid is not None:
+            break
     if uid is None:
         raise APIError(404, f"no such turn in session {shown(sid)} (open or recently closed)",
                        param="session_id", code="turn_not_found")
-    status = await request.app[SCORER].add_feedback(uid, sid, body.reward, body.comment)
+    status = await scorer.add_feedback(uid, sid, body.reward, body.comment)
     return json_response({"object": "feedback", "session_id": sid, "turn_uid": uid,
                           "reward": body.reward, "status": status})

@@ -1,5 +1,7 @@
 """GET /v1/sessions, GET /v1/sessions/{id}, POST /v1/sessions/{id}/end: the session store
-seen from outside (sessions/store.py keeps them)."""
+seen from outside (sessions/store.py keeps them). With X-RL-Adapter: NAME, a personal adapter's
+sessions; without it, the default adapter's (a session id not found there is looked up in the
+personal adapters' stores too)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,49 @@ import asyncio
 from aiohttp import web
 
 from rlproxy.api.edge import json_response
-from rlproxy.appkeys import SESSIONS
+from rlproxy.api.tags import adapter_header
+from rlproxy.appkeys import ADAPTERS, ADAPTERS_OFF, SCORER, SESSIONS
 from rlproxy.protocol import APIError, shown
 
 
+def learning_paths(request: web.Request) -> list[tuple]:
+    """(session store, scorer) of the adapter X-RL-Adapter names; without the header, the
+    default adapter's first, then every personal adapter's (where to look for a session)."""
+    app, name = request.app, adapter_header(request.headers)
+    adapters = app.get(ADAPTERS)
+    if name is None:
+        return [(app[SESSIONS], app[SCORER])] + [
+            (a.pipeline.store, a.pipeline.scorer)
+            for a in (adapters.by_name.values() if adapters is not None else [])]
+    if adapters is None:
+        raise APIError(409, f"X-RL-Adapter names '{name}', and this server has no personal "
+                       f"adapters ({app.get(ADAPTERS_OFF)})", param="X-RL-Adapter",
+                       code="adapters_off")
+    if name not in adapters.by_name:
+        raise APIError(404, f"no adapter named '{name}' (it has had no request yet)",
+                       param="X-RL-Adapter", code="adapter_not_found")
+    p = adapters.by_name[name].pipeline
+    return [(p.store, p.scorer)]
+
+
+def find_session(request: web.Request, sid: str):
+    """(the store that holds session SID, its scorer), or (None, None)."""
+    for store, scorer in learning_paths(request):
+        if store.find(sid) is not None:
+            return store, scorer
+    return None, None
+
+
 async def list_sessions(request: web.Request) -> web.Response:
-    store = request.app[SESSIONS]
+    store = learning_paths(request)[0][0]
     data = [s.summary() for s in store.open.values()]
     data += [s.summary() for s in reversed(store.closed)]
     return json_response({"object": "list", "data": data})
 
 
 async def get_session(request: web.Request) -> web.Response:
-    session = request.app[SESSIONS].find(request.match_info["session_id"])
+    store, _ = find_session(request, request.match_info["session_id"])
+    session = store.find(request.match_info["session_id"]) if store is not None else None
     if session is None:
         raise APIError(404, f"no session {shown(request.match_info['session_id'])} (open or "
                        "recently closed)", param="session_id", code="session_not_found")
@@ -29,7 +61,8 @@ async def get_session(request: web.Request) -> web.Response:
 
 async def end_session(request: web.Request) -> web.Response:
     sid = request.match_info["session_id"]
-    written = request.app[SESSIONS].end(sid, "ended")
+    store, _ = find_session(request, sid)
+    written = store.end(sid, "ended") if store is not None else None
     if written is None:
         raise APIError(404, f"no open session {shown(sid)}", param="session_id",
                        code="session_not_found")

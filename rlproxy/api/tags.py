@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from rlproxy.protocol import APIError, shown
+from rlproxy.settings import adapter_name
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")  # fullmatch only
 STEP_INDEX = re.compile(r"[0-9]{1,19}")  # ASCII digits: str.isdigit() also takes "²"
@@ -35,6 +36,7 @@ class TurnTags:
     opt_out: bool = False
     explicit_type: bool = False  # X-Turn-Type (or turn_type) was given: no rule overrides it
     train: bool | None = None  # X-RL-Train: 1|0 decides whether a main turn trains (None: rules)
+    adapter: str | None = None  # X-RL-Adapter: a personal adapter's name (None: the default)
 
 
 def _flag(name: str, raw) -> bool:
@@ -91,7 +93,19 @@ def parse_turn_tags(headers, req) -> TurnTags:
     tags.opt_out = False if opt_out is None else _flag("X-RL-Opt-Out", opt_out)
     train = header("X-RL-Train")
     tags.train = None if train is None else _flag("X-RL-Train", train)
+    tags.adapter = adapter_header(headers)
     return tags
+
+
+def adapter_header(headers) -> str | None:
+    """X-RL-Adapter: NAME (kept in lower case), or None for none or `default`."""
+    raw = headers.get("X-RL-Adapter")
+    if raw is None or raw.strip().lower() in ("", "default"):
+        return None
+    try:
+        return adapter_name(raw)
+    except ValueError as e:
+        raise APIError(400, f"X-RL-Adapter: {e}", param="X-RL-Adapter") from None
 
 
 def step_index(name: str, raw: str) -> int:

@@ -41,6 +41,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -48,7 +49,8 @@ from aiohttp import web
 from rlproxy.api.streams import ClientStalled
 from rlproxy.api.tags import TurnTags
 from rlproxy import paths
-from rlproxy.appkeys import ENGINE, MODEL, SAVED, SESSIONS, SETTINGS, STOPPING
+from rlproxy.appkeys import ADAPTERS, ADAPTERS_OFF, ENGINE, MODEL, SAVED, SESSIONS, SETTINGS, \
+    STOPPING
 from rlproxy.ops import metrics
 from rlproxy.ops.health import served_names
 from rlproxy.ops.logs import TURN_UID
@@ -57,7 +59,8 @@ from rlproxy.protocol import APIError, ChatRequest
 from rlproxy.serving.completions import MAX_BACKLOG, ChoiceEvent, ChoiceRecord, EngineFailure, \
     Generation, Interrupted, Prompt, build_prompt, sampling_params
 from rlproxy.serving.engine import SamplingParams
-from rlproxy.sessions.store import Placement, Session, Turn
+from rlproxy.settings import adapter_name
+from rlproxy.sessions.store import Placement, Session, SessionStore, Turn
 
 LOGPROB_DEFINITION = ("log_softmax(logits) at temperature 1, after logit_bias and penalties, "
                       "before temperature and top_p")
@@ -94,6 +97,7 @@ class Call:
     params: list[SamplingParams]
     gen: Generation
     place: Placement | None  # session, thread, turn type; None when it opted out of recording
+    store: SessionStore  # the default adapter's, or the personal adapter's it names
     headers: dict[str, str] = field(default_factory=dict)  # response headers (X-Session-Id ...)
     turn: Turn | None = None  # set by file
     durable: asyncio.Future | None = None  # set by file: done once the turn is on disk
@@ -126,7 +130,7 @@ class Call:
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
-        req, gen, store = self.req, self.gen, self.request.app[SESSIONS]
+        req, gen, store = self.req, self.gen, self.store
         turn = Turn(
             uid=uuid.uuid4().hex, session_id=self.session.id,
             index=store.next_index(self.session), turn_type=self.place.turn_type,
@@ -210,14 +214,18 @@ async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api
     its reply from `call` (or sends a `Kept` one again). `thread_hint` names the thread a
     chained request (Responses' previous_response_id) continues, for the session store."""
     app = request.app
-    settings, store = app[SETTINGS], app[SESSIONS]
-    if settings.server.strict_model_names and base_name(req.model) not in served_names(app):
+    settings = app[SETTINGS]
+    name = model_name(req.model, served_names(app))
+    if settings.server.strict_model_names and name.base not in served_names(app):
         raise APIError(404, f"The model '{req.model}' does not exist", param="model",
                        code="model_not_found")
+    personal = personal_adapter(app, name, tags)
+    store = personal.pipeline.store if personal is not None else app[SESSIONS]
     # Keyed per API: a retry comes back through the door it first used, in that door's shape.
     replay_key = f"{api}:{tags.request_id}" if tags.request_id and not tags.opt_out else None
     if replay_key is None:
-        async with running(await make_call(request, req, tags, api, thread_hint)) as call:
+        async with running(await make_call(request, req, tags, api, thread_hint, name,
+                                           personal)) as call:
             yield call
         return
     while (kept := store.stored_response(replay_key)) is not None:
@@ -232,7 +240,7 @@ async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api
     store.start_response(replay_key)  # no await since the check above: this attempt owns it
     call, kept = None, None
     try:
-        call = await make_call(request, req, tags, api, thread_hint)
+        call = await make_call(request, req, tags, api, thread_hint, name, personal)
         async with running(call):
             yield call
         kept = call.kept
@@ -248,10 +256,12 @@ async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api
 
 
 async def make_call(request: web.Request, req: ChatRequest, tags: TurnTags, api: str,
-                    thread_hint: str | None) -> Call:
-    """Template the prompt, check the token budget, resolve the session: a Call to run."""
+                    thread_hint: str | None, name: ModelName, personal=None) -> Call:
+    """Template the prompt, check the token budget, resolve the session: a Call to run.
+    PERSONAL: the personal adapter the request names (pipeline.py `Personal`), or None."""
     app = request.app
-    settings, model, engine, store = app[SETTINGS], app[MODEL], app[ENGINE], app[SESSIONS]
+    settings, model, engine = app[SETTINGS], app[MODEL], app[ENGINE]
+    store = personal.pipeline.store if personal is not None else app[SESSIONS]
     if engine.alive and engine.error is not None and engine.health().get("service_error"):
         raise APIError(503, f"refused at once: {engine.error}", type="server_error",
                        code="sampler_unavailable", headers={"Retry-After": "5"})  # comes back
@@ -264,40 +274,77 @@ async def make_call(request: web.Request, req: ChatRequest, tags: TurnTags, api:
                              settings.engine.default_max_tokens, model.vocab_size,
                              settings.engine.strict_max_tokens,
                              settings.engine.max_completion_tokens)
-    saved = await saved_checkpoint(app, req.model)
+    data_dir = personal.data_dir if personal is not None else settings.records.data_dir
+    saved = await saved_checkpoint(app, req.model, name.step, data_dir)
     if saved is not None:
         tags.opt_out = True  # a checkpoint is served read-only: never filed, never trained
+    adapter = saved or ((personal.served.name, None) if personal is not None else None)
     place = None
     if not tags.opt_out:
         place = store.resolve(tags, prompt.messages, prompt.tools, req.max_tokens, thread_hint)
+    headers = {"X-Session-Id": place.session.id} if place else {}
+    if personal is not None:
+        headers["X-RL-Adapter"] = personal.name
     return Call(request, req, tags, api, prompt, params,
                 Generation(engine, model.tokenizer, prompt, params, req,
-                           reasoning=settings.engine.reasoning_parser == "auto", adapter=saved),
-                place,
-                {"X-Session-Id": place.session.id} if place else {})
+                           reasoning=settings.engine.reasoning_parser == "auto",
+                           adapter=adapter),
+                place, store, headers)
 
 
 STEP_SUFFIX = re.compile(r"(.*)@([0-9]{1,9})")
 
 
-def base_name(model: str | None) -> str | None:
-    """MODEL without an `@STEP` suffix."""
-    m = STEP_SUFFIX.fullmatch(model or "")
-    return m[1] if m else model
+@dataclass
+class ModelName:
+    """A request's `model`, read: `BASE`, `BASE:ADAPTER` (a personal adapter, when BASE is a
+    name this server answers to), either with `@STEP` (a kept checkpoint, read-only)."""
+    base: str | None
+    adapter: str | None = None
+    step: int | None = None
 
 
-async def saved_checkpoint(app: web.Application, model: str | None) -> tuple[str, object] | None:
-    """`MODEL@STEP`: the adapter of the kept checkpoint of training step STEP, served by name
-    beside the live one (serving/saved.py), as (its name, its model object); None for a name
-    without `@STEP`. 404 where no complete checkpoint of that step is kept."""
+def model_name(model: str | None, served: list[str]) -> ModelName:
     m = STEP_SUFFIX.fullmatch(model or "")
-    if m is None:
+    rest, step = (m[1], int(m[2])) if m else (model, None)
+    if rest and ":" in rest:
+        base, suffix = rest.rsplit(":", 1)
+        if base in served:  # `llama3:8b` sent to a server that is not llama3 stays a name
+            try:
+                return ModelName(base, adapter_name(suffix), step)
+            except ValueError as e:
+                raise APIError(400, f"model '{model}': {e}", param="model") from None
+    return ModelName(rest, None, step)
+
+
+def personal_adapter(app: web.Application, name: ModelName, tags: TurnTags):
+    """The personal adapter a request names (`MODEL:NAME` or X-RL-Adapter), made on its first
+    request (pipeline.py `Adapters`); None for the default adapter."""
+    if name.adapter and tags.adapter and name.adapter != tags.adapter:
+        raise APIError(400, f"the model names adapter '{name.adapter}' and X-RL-Adapter "
+                       f"'{tags.adapter}'", param="model")
+    wanted = name.adapter or tags.adapter
+    if wanted is None:
+        return None
+    if ADAPTERS not in app:
+        raise APIError(409, f"adapter '{wanted}' was asked for, and this server has no "
+                       f"personal adapters ({app.get(ADAPTERS_OFF)})", param="model",
+                       code="adapters_off")
+    return app[ADAPTERS].get(wanted)
+
+
+async def saved_checkpoint(app: web.Application, model: str | None, step: int | None,
+                           data_dir: Path) -> tuple[str, object] | None:
+    """`MODEL@STEP`: the adapter of the kept checkpoint of training step STEP (of DATA_DIR's
+    adapter: the default's, or a personal one's), served by name beside the live one
+    (serving/saved.py), as (its name, its model object); None for a name without `@STEP`. 404
+    where no complete checkpoint of that step is kept."""
+    if step is None:
         return None
     if SAVED not in app:  # --sampler tinker: no local weights to serve a checkpoint with
         raise APIError(409, f"'{model}' names a checkpoint, and this server holds no local "
                        "weights (--sampler tinker)", param="model", code="no_local_model")
-    step = int(m[2])
-    path = kept_checkpoint(app[SETTINGS].records.data_dir / paths.CHECKPOINTS, step)
+    path = kept_checkpoint(data_dir / paths.CHECKPOINTS, step)
     if path is not None:
         try:
             return await app[SAVED].model_for(path)
@@ -307,8 +354,7 @@ async def saved_checkpoint(app: web.Application, model: str | None) -> tuple[str
             raise APIError(409, f"checkpoint {path.name} cannot be served by this model: "
                            f"{type(e).__name__}: {e}", param="model",
                            code="checkpoint_unusable") from None
-    have = [p.name for p in complete_checkpoints(app[SETTINGS].records.data_dir
-                                                 / paths.CHECKPOINTS)]
+    have = [p.name for p in complete_checkpoints(data_dir / paths.CHECKPOINTS)]
     raise APIError(404, f"The model '{model}' does not exist: no complete checkpoint of step "
                    f"{step} is kept (kept: {', '.join(have) or 'none'})", param="model",
                    code="model_not_found")

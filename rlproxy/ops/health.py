@@ -21,7 +21,8 @@ from aiohttp import web
 from rlproxy import paths, records
 from rlproxy.ops.metrics import process_memory
 from rlproxy.appkeys import (
-    ADMISSION, ENGINE, MODEL, RANKS, SCORER, SESSIONS, SETTINGS, STARTED, TINKER, TRAINER,
+    ADAPTERS, ADAPTERS_OFF, ADMISSION, ENGINE, MODEL, RANKS, SCORER, SESSIONS, SETTINGS, STARTED,
+    TINKER, TRAINER,
 )
 
 NO_PREFIX_CACHE = {"enabled": False, "reason": "--no-prefix-cache"}
@@ -61,6 +62,7 @@ def health(app: web.Application, blas: str) -> tuple[dict, int]:
         "requests": app[ADMISSION].health(),
         "scoring": app[SCORER].health(),
         "trainer": trainer_health(app),
+        "adapters": adapters_health(app),
         "uptime_s": round(time.time() - app[STARTED], 1),
         "disk": {"failing": failing},
         "tinker": tinker_health(app),
@@ -82,6 +84,14 @@ def prefix_cache_health(app: web.Application) -> dict:
 def trainer_health(app: web.Application) -> dict:
     trainer = app.get(TRAINER)
     return trainer.health() if trainer is not None else {"enabled": False}
+
+
+def adapters_health(app: web.Application) -> dict:
+    """The personal adapters (pipeline.py `Adapters`), or why there are none."""
+    adapters = app.get(ADAPTERS)
+    if adapters is None:
+        return {"enabled": False, "reason": app.get(ADAPTERS_OFF)}
+    return {"enabled": True, **adapters.health()}
 
 
 def tinker_health(app: web.Application) -> dict:

@@ -189,12 +189,13 @@ class Engine:
                 log.exception("merging adapter version %d failed; serving it unmerged", version)
         self._post("adapter", (weights, version, fingerprint, merged, merged_bytes(merged)))
 
-    def add_adapter(self, name: str, model: nn.Module) -> None:
+    def add_adapter(self, name: str, model: nn.Module, version: int = 0) -> None:
         """Serve MODEL (the serving model's base arrays with LoRA weights of its own, already
-        evaluated) to jobs whose `adapter` is NAME; every other job keeps the live adapter.
+        evaluated) to jobs whose `adapter` is NAME, their tokens marked adapter version VERSION
+        (a personal adapter's; 0 for saved ones); every other job keeps the live adapter.
         Adding the same MODEL again changes nothing; another model under NAME takes the jobs
         admitted from now on, and those admitted before finish on the model they started with."""
-        self._post("add_adapter", (name, model))
+        self._post("add_adapter", (name, model, version))
 
     def drop_adapter(self, name: str) -> None:
         """NAME serves no new job; the jobs admitted under it finish first (serving/named.py)."""
@@ -453,7 +454,7 @@ class Engine:
             job.produced += 1
             k = job.params.top_logprobs
             token = Token(id=r.token, logprob=logprob,
-                          adapter_version=version if job.adapter is None else 0,
+                          adapter_version=version if job.adapter is None else job.adapter_version,
                           top=top_logprobs(r.logprobs, k) if k else None)
             self.stats.tokens += 1
             if r.finish_reason is not None:
@@ -468,7 +469,7 @@ class Engine:
         """One speculative step of the lone stream: its tokens delivered, the stream ended at
         an end token or its budget."""
         lone, job = self._lone, self._lone.job
-        version = self.adapter_version if job.adapter is None else 0
+        version = self.adapter_version if job.adapter is None else job.adapter_version
         try:
             emitted = lone.step(self._model_of(job))
         except Exception as e:  # this stream fails, nothing else

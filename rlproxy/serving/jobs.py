@@ -56,6 +56,7 @@ class Job:
     # that adapter's model object when the caller holds it: the job decodes with it even if
     # the name is replaced or dropped before the job starts (serving/named.py)
     adapter_model: object | None = None
+    adapter_version: int = 0  # that adapter's version, recorded on its tokens (serving/named.py)
     restored: list | None = None  # the cached prefix's KV (loader thread -> engine thread)
     seeded: bool = False  # the request chose its seed (set by Engine.submit)
     produced: int = 0  # tokens the live batch delivered for it since it (last) joined the batch

@@ -47,6 +47,7 @@ class NamedAdapters:
         from rlproxy.serving.model import ServingLoRALinear
 
         self.names: dict[str, nn.Module] = {}
+        self.versions: dict[str, int] = {}  # a name's adapter version (a personal adapter's)
         self.ctx = RowContext()
         self.layers = {n: m for n, m in model.named_modules() if isinstance(m, ServingLoRALinear)}
         for layer in self.layers.values():
@@ -55,18 +56,23 @@ class NamedAdapters:
         self._slots: list[nn.Module] = []  # the stacks' named adapters: slot i + 1
         self._stale = True
 
-    def change(self, kind: str, name: str, model: nn.Module | None) -> None:
-        """`add_adapter` (NAME now names MODEL) or `drop_adapter`. Jobs already admitted finish
-        on the model they were admitted with."""
+    def change(self, kind: str, name: str, model: nn.Module | None, version: int = 0) -> None:
+        """`add_adapter` (NAME now names MODEL, as adapter version VERSION) or `drop_adapter`.
+        Jobs already admitted finish on the model they were admitted with."""
         self.names.pop(name, None)
+        self.versions.pop(name, None)
         if kind == "add_adapter":
-            self.names[name] = model
+            self.names[name], self.versions[name] = model, version
 
     def model_for(self, job: Job) -> nn.Module:
-        model = job.adapter_model if job.adapter_model is not None else \
-            self.names.get(job.adapter)
+        """The model JOB decodes with; a job that names its adapter only by name also gets
+        that name's version now (`Job.adapter_version`, on each of its tokens)."""
+        if job.adapter_model is not None:
+            return job.adapter_model
+        model = self.names.get(job.adapter)
         if model is None:
             raise KeyError(f"no adapter named {job.adapter!r} is loaded")
+        job.adapter_version = self.versions.get(job.adapter, 0)
         return model
 
     def admitted(self, uid: int, model: nn.Module) -> None:

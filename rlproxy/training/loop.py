@@ -23,6 +23,7 @@ Not here: the gradient math and the optimizer (training/learner.py), the gate's 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -44,7 +45,7 @@ from rlproxy.training.gate import make_gate
 from rlproxy.training.items import item_key, released_turns
 from rlproxy.training.journal import StepJournal
 from rlproxy.training.learner import LocalLearner, training_copy
-from rlproxy.training.pacing import Pacer
+from rlproxy.training.pacing import Pacer, StepTurns
 from rlproxy.training.publisher import Publisher
 from rlproxy.training.runner import StepRunner
 from rlproxy.training.saving import Saver, snapshot
@@ -63,9 +64,10 @@ class Trainer:
     def __init__(self, settings: Settings, model: nn.Module | None, lora_config: dict,
                  engine=None, data_dir: Path | None = None, ref_model: nn.Module | None = None,
                  vocab_size: int | None = None, tokenizer=None, learner=None, ranks=None,
-                 start: restart.TrainerStart | None = None):
+                 start: restart.TrainerStart | None = None, turns: StepTurns | None = None):
         """START: its records as read at start-up (recovery.py `trainer_start`); None reads them
-        now (a trainer built alone, as tests and tools do)."""
+        now (a trainer built alone, as tests and tools do). TURNS: shared with the process's
+        other trainers (personal adapters), one step at a time (training/pacing.py)."""
         t = self.t = settings.trainer
         self.settings, self.engine = settings, engine
         self.data_dir = Path(data_dir or settings.records.data_dir)
@@ -105,6 +107,7 @@ class Trainer:
         self.operator = Operator(self.learner, engine, self.gate, self.books, self.saver,
                                  self.publisher, self.progress, self.status, self.stats,
                                  self.writer, running=self.running)
+        self.turns = turns or contextlib.nullcontext()
         self._thread: threading.Thread | None = None
         self._running = False
 
@@ -141,7 +144,8 @@ class Trainer:
     def train_or_wait(self, batch: list[dict]) -> bool:
         """Train BATCH and settle it in the books; False when it waits (a full disk, a learner
         away): its items not trained yet go back to the inbox, after the outcome's delay."""
-        outcome = self.runner.run(batch)
+        with self.turns:  # the other adapters' trainers wait meanwhile
+            outcome = self.runner.run(batch)
         self.books.settle(batch, again=outcome.wait is not None or outcome.stopped)
         if outcome.wait is not None:
             time.sleep(outcome.wait.delay)

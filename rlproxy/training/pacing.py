@@ -59,3 +59,25 @@ class Pacer:
         self(spent)
         if self.stopping:
             raise Stopped(f"stopped after unit {self.units['units']} of the step")
+
+
+class StepTurns:
+    """One training step at a time across the trainers of one process (the default adapter's
+    and each personal adapter's, pipeline.py), taken in the order they asked: a ticket lock, so
+    a trainer with work always waiting cannot take every step while another waits. Each step
+    paces itself as above, so together they keep the one duty cycle. `with turns:` around a
+    step; any thread."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._next = self._now = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket, self._next = self._next, self._next + 1
+            self._cond.wait_for(lambda: self._now == ticket)
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._now += 1
+            self._cond.notify_all()

@@ -1,0 +1,155 @@
+"""Personal adapters (pipeline.py `Adapters`): a request names one with `MODEL:NAME` or the
+X-RL-Adapter header; each has its own sessions, records, scores, trainer and checkpoints under
+<data_dir>/adapters/NAME/, is served by name in the live batch (serving/personal.py,
+serving/named.py), and learns only from its own turns. The real app on a real port, the openai
+SDK, the tiny model, the demo's verifiable reward."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import openai
+import pytest
+import requests
+
+from rlproxy import paths
+from rlproxy.demo import run as demo
+from conftest import ServerThread, read_records
+from demo_agent import training_settings
+
+QUESTION = [{"role": "user", "content": "Name three colours of the sea at dusk."}]
+
+
+def greedy(client, model: str, headers=None):
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8,
+                                       temperature=0, logprobs=True,
+                                       extra_headers={"X-RL-Opt-Out": "1", **(headers or {})})
+    return [t.logprob for t in r.choices[0].logprobs.content], r
+
+
+def session(client, model: str, sid: str, seed: int, headers=None) -> None:
+    """The demo's two-turn session (a tool result answered, then a follow-up), done."""
+    messages = demo.opening(random.Random(seed))
+    for step in (0, 1):
+        r = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=8, seed=seed * 2 + step,
+            tools=demo.TOOLS, extra_headers={"X-Session-Id": sid, **(headers or {}),
+                                             **({"X-Session-Done": "1"} if step else {})})
+        messages = messages + [{"role": "assistant", "content": r.choices[0].message.content
+                                or ""}, {"role": "user",
+                                         "content": "Thanks. What will it be tomorrow?"}]
+
+
+def adapters(url: str) -> dict:
+    return requests.get(url + "/healthz").json()["adapters"]
+
+
+def wait_version(url: str, name: str, version: int, timeout_s: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        a = adapters(url)["adapters"].get(name)
+        assert a is None or not a["trainer"]["error"], a
+        if a is not None and a["version"] >= version:
+            return a
+        assert time.monotonic() < deadline, adapters(url)
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_each_adapter_learns_from_its_own_sessions_only(own, tmp_path):
+    with ServerThread(training_settings(tmp_path), own) as s:
+        c = s.client()
+        served = c.models.list().data[0].id
+        base, _ = greedy(c, "m")
+        session(c, f"{served}:alice", "a-1", 1)  # by the model's name
+        session(c, "m", "a-2", 2, {"X-RL-Adapter": "Alice"})  # by header, any case
+        alice = wait_version(s.url, "alice", 1)
+        session(c, "m", "a-3", 3, {"X-RL-Adapter": "alice"})  # sampled by her version 1
+        bob_before, r = greedy(c, "m", {"X-RL-Adapter": "bob"})  # made now, untrained
+        assert r  # served
+        alice_lps, _ = greedy(c, f"{served}:alice")
+        default_after, _ = greedy(c, "m")
+        health = adapters(s.url)
+        trainer = requests.get(s.url + "/healthz").json()["trainer"]
+    # alice trained on her two sessions; the default adapter and bob trained on nothing
+    assert alice["trainer"]["step"] >= 1 and trainer["step"] == 0
+    assert set(health["adapters"]) == {"alice", "bob"}
+    assert health["adapters"]["bob"]["version"] == 0
+    assert default_after == pytest.approx(base, abs=1e-4)
+    assert bob_before == pytest.approx(base, abs=2.5e-4)  # a fresh adapter is the base
+    assert max(abs(a - b) for a, b in zip(alice_lps, base)) > 1e-4
+    # her records are in her folder, every turn of them; the default's files have none
+    mine = tmp_path / paths.ADAPTERS / "alice"
+    turns = read_records(mine)
+    assert {t["session_id"] for t in turns} == {"a-1", "a-2", "a-3"} and len(turns) == 6
+    assert not [t for t in read_records(tmp_path) if t["session_id"].startswith("a-")]
+    steps = [ln for ln in read_records(mine, "training.jsonl") if ln["kind"] == "step"]
+    assert steps and {u for ln in steps for u in ln["uids"]} <= {t["uid"] for t in turns}
+    assert not read_records(tmp_path, "training.jsonl")
+    assert paths.kept_checkpoint(mine / paths.CHECKPOINTS, 1) is not None
+    # the tokens of alice's turns carry the version of her adapter that sampled them
+    versions = {t["session_id"]: set(t["choices"][0]["adapter_versions"]) for t in turns}
+    assert versions["a-1"] == {0} and min(versions["a-3"]) >= 1
+
+
+@pytest.mark.slow
+def test_an_adapter_comes_back_after_a_restart_with_its_sessions_and_weights(tmp_path):
+    from conftest import tiny_copy
+
+    settings = training_settings(tmp_path)
+    settings.trainer.resume = True  # a restart serves the last checkpoint, as by default
+    with ServerThread(settings, tiny_copy()) as s:
+        c = s.client()
+        session(c, "m", "a-1", 1, {"X-RL-Adapter": "alice"})
+        wait_version(s.url, "alice", 1)
+        trained, _ = greedy(c, "m", {"X-RL-Adapter": "alice"})
+        c.chat.completions.create(model="m", messages=QUESTION, max_tokens=4,
+                                  extra_headers={"X-RL-Adapter": "alice",
+                                                 "X-Session-Id": "open-1"})
+    with ServerThread(settings, tiny_copy()) as s:
+        health = adapters(s.url)  # made at start-up: it has a folder
+        again, _ = greedy(s.client(), "m", {"X-RL-Adapter": "alice"})
+        pending = requests.get(s.url + "/v1/sessions/open-1",
+                               headers={"X-RL-Adapter": "alice"})
+    assert health["adapters"]["alice"]["version"] >= 1
+    assert again == pytest.approx(trained, abs=1e-4)
+    assert pending.status_code == 200 and pending.json()["id"] == "open-1"
+
+
+def test_names_the_limit_and_fixed_names_are_refused_in_the_apis_shape(tiny, tmp_path):
+    from conftest import make_settings
+
+    with ServerThread(make_settings(tmp_path, max_adapters=1), tiny) as s:
+        c = s.client()
+        served = c.models.list().data[0].id
+        with pytest.raises(openai.BadRequestError) as bad:
+            greedy(c, "m", {"X-RL-Adapter": "no/slashes"})
+        assert bad.value.body["param"] == "X-RL-Adapter"
+        with pytest.raises(openai.BadRequestError) as bad:
+            greedy(c, f"{served}:bad.name")
+        assert bad.value.body["param"] == "model"
+        with pytest.raises(openai.BadRequestError) as two:
+            greedy(c, f"{served}:alice", {"X-RL-Adapter": "bob"})
+        assert "names adapter 'alice' and X-RL-Adapter 'bob'" in str(two.value)
+        greedy(c, f"{served}:alice")
+        with pytest.raises(openai.ConflictError) as full:
+            greedy(c, f"{served}:bob")
+        assert full.value.body["code"] == "adapter_limit" and "1 of --max-adapters 1" in str(
+            full.value)
+        greedy(c, "llama3:8b")  # not a name this server answers to: the default adapter
+        assert set(adapters(s.url)["adapters"]) == {"alice"}
+    with ServerThread(make_settings(tmp_path / "fixed", adapters=["carol"],
+                                    adapter_names="fixed"), tiny) as s:
+        c = s.client()
+        greedy(c, "m", {"X-RL-Adapter": "carol"})
+        with pytest.raises(openai.NotFoundError) as unknown:
+            greedy(c, "m", {"X-RL-Adapter": "dave"})
+        assert unknown.value.body["code"] == "adapter_not_found"
+        assert "the adapters are carol" in str(unknown.value)
+    with ServerThread(make_settings(tmp_path / "off", max_adapters=0), tiny) as s:
+        with pytest.raises(openai.ConflictError) as off:
+            greedy(s.client(), "m", {"X-RL-Adapter": "erin"})
+        assert off.value.body["code"] == "adapters_off" and "--max-adapters 0" in str(
+            off.value)
+        assert adapters(s.url) == {"enabled": False, "reason": "--max-adapters 0"}
