@@ -269,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--url", default="http://127.0.0.1:8000",
                    help="the server (default: http://127.0.0.1:8000)")
     c.add_argument("--model", help="model name the agent asks for (default: the served one)")
+    c.add_argument("--adapter", help="a personal adapter for this agent's traffic: the agent "
+                   "asks for MODEL:ADAPTER, which learns only from its own sessions")
     c.add_argument("--api-key", help="the server's --api-key (default: a placeholder)")
     c.add_argument("--dry-run", action="store_true", help="print the diff, write nothing")
     c.add_argument("--undo", action="store_true", help="restore the agent's config from the "

@@ -16,6 +16,7 @@ and training/; the engine and the model it is given are built by app.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from rlproxy.scoring.scorer import Scorer
 from rlproxy.serving.engine import Engine
 from rlproxy.serving.model import LoadedModel, load_base_model
 from rlproxy.sessions.store import SessionStore, sweep_idle_forever
+from rlproxy.mlx_threads import Worker
 from rlproxy.protocol import APIError
 from rlproxy.serving.personal import PersonalAdapter, training_model
 from rlproxy.settings import Settings, adapter_name
@@ -265,18 +267,27 @@ class Adapters:
     """The personal adapters, the one owner of them: each is a pipeline of its own (store ->
     scorer -> trainer, on its own folder: records, checkpoints, journals), whose trainer
     publishes to its named place in the engine (serving/personal.py) and takes its steps in turn
-    with the others' (training/pacing.py `StepTurns`). Judges, the model's base arrays and the
+    with the others (training/pacing.py `StepTurns`). Judges, the model's base arrays and the
     engine's batch are shared. Its own folder, not tags on shared files: every reader (start-up
     recovery, `rlproxy train --from`, export, `records tail`, the dashboard's record index)
     works on one adapter's folder as on a data dir, a turn of one adapter cannot reach
-    another's trainer, and an adapter is removed by removing its folder. Event loop only."""
+    another's trainer, and an adapter is removed by removing its folder.
+
+    An adapter is made on a worker thread of its own (its records read, its model built, its
+    checkpoint loaded: MLX work off the event loop); requests for a name being made wait for
+    that one making. One that cannot be made (an unreadable folder, a checkpoint of another
+    layout) is logged and its requests get 503; the server and the other adapters go on.
+    Event loop only."""
 
     def __init__(self, settings: Settings, model: LoadedModel, engine: Engine,
                  default: Pipeline, turns: StepTurns):
         self.settings, self.model, self.engine = settings, model, engine
         self.default, self.turns = default, turns
         self.by_name: dict[str, Personal] = {}
+        self.making: dict[str, asyncio.Future] = {}
+        self.failed: dict[str, str] = {}  # name -> why it could not be made (its requests: 503)
         self.root = settings.records.data_dir / ADAPTERS_DIR
+        self._worker: Worker | None = None
 
     def on_disk(self) -> list[str]:
         """The adapters with a folder of records (made by an earlier run)."""
@@ -292,50 +303,93 @@ class Adapters:
                             path)
         return names
 
-    def get(self, name: str) -> Personal:
-        """NAME's adapter, made now when it is new (404 with --adapter-names fixed, 409 past
-        --max-adapters)."""
-        if name in self.by_name:
-            return self.by_name[name]
-        s = self.settings.sessions
-        if s.adapter_names == "fixed":
-            raise APIError(404, f"no adapter named '{name}' (--adapter-names fixed: the "
-                           f"adapters are {', '.join(self.by_name) or 'none'})",
-                           param="model", code="adapter_not_found")
-        if len(self.by_name) >= s.max_adapters:
-            raise APIError(409, f"cannot make adapter '{name}': {len(self.by_name)} of "
-                           f"--max-adapters {s.max_adapters} exist "
-                           f"({', '.join(self.by_name) or 'none'})", param="model",
-                           code="adapter_limit")
-        return self.make(name)
+    def find(self, name: str, param: str) -> Personal | None:
+        """NAME's adapter if it is made (None), without making it; 503 if it failed."""
+        if name in self.failed:
+            raise APIError(503, f"adapter '{name}' could not be started: {self.failed[name]}",
+                           type="server_error", param=param, code="adapter_unavailable")
+        return self.by_name.get(name)
 
-    def make(self, name: str) -> Personal:
+    async def get(self, name: str, param: str) -> Personal:
+        """NAME's adapter, made now when it is new: 404 with --adapter-names fixed, 403 past
+        --max-adapters (PARAM: where the request named it)."""
+        if (personal := self.find(name, param)) is not None:
+            return personal
+        if name not in self.making:
+            s = self.settings.sessions
+            if s.adapter_names == "fixed":
+                raise APIError(404, f"no adapter named '{name}' (--adapter-names fixed)",
+                               param=param, code="adapter_not_found")
+            if len(self.by_name) + len(self.making) + len(self.failed) >= s.max_adapters:
+                raise APIError(403, f"cannot make adapter '{name}': --max-adapters "
+                               f"{s.max_adapters} exist already", param=param,
+                               code="adapter_limit")
+        await asyncio.shield(self.make(name))
+        if (personal := self.find(name, param)) is None:
+            raise APIError(503, f"adapter '{name}' was stopped", type="server_error",
+                           param=param, code="adapter_unavailable")
+        return personal
+
+    def make(self, name: str) -> asyncio.Future:
+        """NAME's making, started now unless one is under way; done once it is made or failed
+        (`failed` says why)."""
+        if name in self.making:
+            return self.making[name]
+        done = self.making[name] = asyncio.ensure_future(self._make(name))
+        done.add_done_callback(lambda _: self.making.pop(name, None))
+        return done
+
+    async def _make(self, name: str) -> None:
         data_dir = self.root / name
-        data_dir.mkdir(parents=True, exist_ok=True)
+        created = not data_dir.exists()
         settings = self.settings.model_copy(deep=True)
         settings.records.data_dir = data_dir
         served = PersonalAdapter(self.engine, self.model, f"adapter:{name}")
-        served.publish_adapter({}, 0)  # the base until its trainer publishes (or resumes)
+        if self._worker is None:
+            self._worker = Worker("rlproxy-adapters-made")
+
+        def build() -> Pipeline:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            served.publish_adapter({}, 0)  # the base until its trainer publishes or resumes
+            return build_pipeline(settings, self.model, self.engine, shared=self.default,
+                                  adapter=served, turns=self.turns)
+
         try:
-            p = build_pipeline(settings, self.model, self.engine, shared=self.default,
-                               adapter=served, turns=self.turns)
-        except BaseException:
+            p = await asyncio.wrap_future(self._worker.run(build))
+        except Exception as e:  # this adapter is out of service; the others and the server not
             served.drop()
-            raise
-        personal = self.by_name[name] = Personal(name, start(p), served)
+            log.error("adapter %s could not be started from %s: %s: %s", name, data_dir,
+                      type(e).__name__, e)
+            self.failed[name] = f"{type(e).__name__}: {e}"
+            if created:  # made by this attempt and left empty: not an adapter after a restart
+                with contextlib.suppress(OSError):
+                    data_dir.rmdir()
+            return
+        self.by_name[name] = Personal(name, start(p), served)
         log.info("adapter %s: serving version %d from %s", name, served.adapter_version,
                  data_dir)
-        return personal
 
     def trainers(self) -> list[Trainer]:
         return [a.pipeline.trainer for a in self.by_name.values()
                 if a.pipeline.trainer is not None]
 
     async def close(self) -> None:
+        """Every adapter stopped (the makings under way first), each on its own: one that
+        fails to stop does not keep the others running."""
+        for making in list(self.making.values()):
+            with contextlib.suppress(BaseException):
+                await making
+        for trainer in self.trainers():  # all at once: none waits for another's turn
+            trainer.request_stop()
         for personal in list(self.by_name.values()):
-            await stop(personal.running)
+            try:
+                await stop(personal.running)
+            except Exception:
+                log.exception("adapter %s did not stop cleanly", personal.name)
             personal.served.drop()
         self.by_name.clear()
+        if self._worker is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._worker.stop)
 
     def health(self) -> dict:
         """/healthz's "adapters": each personal adapter's sessions, version and training."""
@@ -347,9 +401,12 @@ class Adapters:
                          "data_dir": str(a.data_dir),
                          "trainer": None if t is None else {
                              "step": t.step, "alive": t.alive, "error": t.error,
-                             "untrained": len(t.books.queued), "paused": t.paused}}
+                             "untrained": len(t.books.queued), "paused": t.paused,
+                             "optimizer_steps": t.stats.optimizer_steps,
+                             "turns_trained": t.stats.turns_trained}}
         return {"max_adapters": self.settings.sessions.max_adapters,
-                "names": self.settings.sessions.adapter_names, "adapters": out}
+                "names": self.settings.sessions.adapter_names, "adapters": out,
+                "failed": dict(self.failed)}
 
 
 def personal_adapters_off(settings: Settings, ranks: Link | None) -> str | None:
@@ -391,18 +448,17 @@ def pipeline_context(settings: Settings):
             if adapters is not None:  # named at start-up, or with records from an earlier run
                 for name in dict.fromkeys([*settings.sessions.adapters, *adapters.on_disk()]):
                     with phase(f"made adapter {name}"):
-                        adapters.make(name)
-        except BaseException:
+                        await adapters.make(name)  # one that fails is logged, and serves 503
+            yield
+        finally:
             stopper.cancel()
-            if adapters is not None:
-                await adapters.close()
-            await stop(default)
-            raise
-        yield
-        stopper.cancel()
-        await asyncio.gather(stopper, return_exceptions=True)
-        if adapters is not None:  # theirs first: they share the default's judges
-            await adapters.close()
-        await stop(default)
+            await asyncio.gather(stopper, return_exceptions=True)
+            for trainer in trainers():  # every step ends at its next unit, at once
+                trainer.request_stop()
+            try:
+                if adapters is not None:  # theirs first: they share the default's judges
+                    await adapters.close()
+            finally:
+                await stop(default)
 
     return ctx

@@ -13,6 +13,7 @@ import os
 import sys
 import tomllib
 
+import openai
 import pytest
 import requests
 from ruamel.yaml import YAML
@@ -250,6 +251,23 @@ def test_model_name_and_window_come_from_v1_models(home, server, capsys):
     assert main(["connect", "codex", "--url", server.url, "--model", "mine"]) == 0
     doc = tomllib.loads((home / ".codex/config.toml").read_text())
     assert (doc["model"], doc["model_context_window"]) == ("mine", card["context_length"])
+
+
+@pytest.mark.parametrize("agent", sorted(SEEDS))
+def test_adapter_points_the_agent_at_its_personal_adapter(agent, home, server, capsys):
+    card = requests.get(server.base_url + "/models").json()["data"][0]
+    assert main(["connect", agent, "--url", server.url, "--adapter", "Alice"]) == 0
+    text = (home / SEEDS[agent][0]).read_text()
+    base, model, window = rlproxy_settings(agent, parse(agent, text))
+    assert model == f"{card['id']}:alice"
+    assert window in (None, card["context_length"])
+    # the name the agent will send: served, recorded and trained as alice's
+    r = openai.OpenAI(base_url=base if agent != "claude" else server.base_url,
+                      api_key="x", max_retries=0).chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.headers["X-RL-Adapter"] == "alice"
+    assert requests.get(f"{server.base_url}/models/{model}").json()["id"] == model
+    assert main(["connect", agent, "--url", server.url, "--adapter", "no/slash"]) == 2
 
 
 def test_without_a_server_it_says_so_and_leaves_the_window_out(home, capsys):

@@ -7,6 +7,7 @@ SDK, the tiny model, the demo's verifiable reward."""
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import openai
@@ -72,10 +73,21 @@ def test_each_adapter_learns_from_its_own_sessions_only(own, tmp_path):
         default_after, _ = greedy(c, "m")
         health = adapters(s.url)
         trainer = requests.get(s.url + "/healthz").json()["trainer"]
+        metrics = requests.get(s.url + "/metrics").text
+        from rlproxy.ops.status import render
+        status = render(requests.get(s.url + "/healthz").json(), None)
+        listed = [m.id for m in c.models.list().data]
     # alice trained on her two sessions; the default adapter and bob trained on nothing
     assert alice["trainer"]["step"] >= 1 and trainer["step"] == 0
     assert set(health["adapters"]) == {"alice", "bob"}
     assert health["adapters"]["bob"]["version"] == 0
+    assert listed == [served, f"{served}:alice", f"{served}:bob"]
+    assert 'rlproxy_personal_adapter_version{adapter="bob"} 0.0' in metrics
+    version = re.search(r'rlproxy_personal_adapter_version\{adapter="alice"\} (\S+)', metrics)
+    steps = re.search(r'rlproxy_personal_train_steps_total\{adapter="alice"\} (\S+)', metrics)
+    assert float(version[1]) >= 1 and float(steps[1]) >= 1, metrics
+    assert re.search(r"adapter   alice: version [1-9]\d*, 0 open sessions, step [1-9]", status)
+    assert "adapter   bob: version 0, 0 open sessions, step 0, 0 turns trained" in status
     assert default_after == pytest.approx(base, abs=1e-4)
     assert bob_before == pytest.approx(base, abs=2.5e-4)  # a fresh adapter is the base
     assert max(abs(a - b) for a, b in zip(alice_lps, base)) > 1e-4
@@ -120,9 +132,15 @@ def test_an_adapter_comes_back_after_a_restart_with_its_sessions_and_weights(tmp
 def test_names_the_limit_and_fixed_names_are_refused_in_the_apis_shape(tiny, tmp_path):
     from conftest import make_settings
 
-    with ServerThread(make_settings(tmp_path, max_adapters=1), tiny) as s:
+    # an adapter on disk that cannot be made: its requests get 503, the server and others serve
+    (tmp_path / paths.ADAPTERS / "carol" / paths.CONVERSATIONS).mkdir(parents=True)
+    with ServerThread(make_settings(tmp_path, max_adapters=2), tiny) as s:
         c = s.client()
         served = c.models.list().data[0].id
+        with pytest.raises(openai.InternalServerError) as broken:
+            greedy(c, "m", {"X-RL-Adapter": "carol"})
+        assert broken.value.body["code"] == "adapter_unavailable"
+        assert "IsADirectoryError" in str(broken.value)
         with pytest.raises(openai.BadRequestError) as bad:
             greedy(c, "m", {"X-RL-Adapter": "no/slashes"})
         assert bad.value.body["param"] == "X-RL-Adapter"
@@ -132,13 +150,33 @@ def test_names_the_limit_and_fixed_names_are_refused_in_the_apis_shape(tiny, tmp
         with pytest.raises(openai.BadRequestError) as two:
             greedy(c, f"{served}:alice", {"X-RL-Adapter": "bob"})
         assert "names adapter 'alice' and X-RL-Adapter 'bob'" in str(two.value)
+        with pytest.raises(openai.NotFoundError) as step:  # reads a checkpoint: makes nothing
+            greedy(c, f"{served}:alice@1")
+        assert "no adapter named 'alice'" in str(step.value)
+        assert greedy(c, f"{served}:default")[0] == greedy(c, "m")[0]  # the default adapter
         greedy(c, f"{served}:alice")
-        with pytest.raises(openai.ConflictError) as full:
+        with pytest.raises(openai.PermissionDeniedError) as full:  # not retried by the SDKs
             greedy(c, f"{served}:bob")
-        assert full.value.body["code"] == "adapter_limit" and "1 of --max-adapters 1" in str(
+        assert full.value.body["code"] == "adapter_limit" and "--max-adapters 2" in str(
             full.value)
         greedy(c, "llama3:8b")  # not a name this server answers to: the default adapter
-        assert set(adapters(s.url)["adapters"]) == {"alice"}
+        h = adapters(s.url)
+        assert set(h["adapters"]) == {"alice"} and "IsADirectoryError" in h["failed"]["carol"]
+        # one session id in two adapters: feedback must say which
+        for adapter in ("alice", "default"):
+            c.chat.completions.create(model="m", messages=QUESTION, max_tokens=2,
+                                      extra_headers={"X-Session-Id": "same",
+                                                     "X-RL-Adapter": adapter})
+        body = {"session_id": "same", "turn": "last", "reward": 1.0}
+        ambiguous = requests.post(s.url + "/v1/feedback", json=body)
+        named = requests.post(s.url + "/v1/feedback", json=body,
+                              headers={"X-RL-Adapter": "alice"})
+        pause = requests.post(s.url + "/v1/training/pause", headers={"X-RL-Adapter": "alice"})
+    assert ambiguous.status_code == 409 and ambiguous.json()["error"]["code"] == \
+        "ambiguous_session"
+    assert named.status_code == 200, named.text
+    assert pause.status_code == 400 and pause.json()["error"]["param"] == "X-RL-Adapter"
+    assert not (tmp_path / paths.ADAPTERS / "bob").exists()
     with ServerThread(make_settings(tmp_path / "fixed", adapters=["carol"],
                                     adapter_names="fixed"), tiny) as s:
         c = s.client()
@@ -146,9 +184,9 @@ def test_names_the_limit_and_fixed_names_are_refused_in_the_apis_shape(tiny, tmp
         with pytest.raises(openai.NotFoundError) as unknown:
             greedy(c, "m", {"X-RL-Adapter": "dave"})
         assert unknown.value.body["code"] == "adapter_not_found"
-        assert "the adapters are carol" in str(unknown.value)
+        assert "carol" not in str(unknown.value)  # another user's name is not told
     with ServerThread(make_settings(tmp_path / "off", max_adapters=0), tiny) as s:
-        with pytest.raises(openai.ConflictError) as off:
+        with pytest.raises(openai.BadRequestError) as off:
             greedy(s.client(), "m", {"X-RL-Adapter": "erin"})
         assert off.value.body["code"] == "adapters_off" and "--max-adapters 0" in str(
             off.value)

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.api.edge import json_response
+from rlproxy.api.tags import adapter_header
 from rlproxy.appkeys import ENGINE, MODEL, SETTINGS, STARTED, TRAINER
 from rlproxy.paths import complete_checkpoints, kept_checkpoint
 from rlproxy.protocol import APIError, shown
@@ -321,12 +322,26 @@ async def download_peft(request: web.Request) -> web.Response:
         "Content-Disposition": f'attachment; filename="rlproxy-adapter-{path.name}-peft.zip"'})
 
 
+def default_adapter_only(handler):
+    """The actions act on the default adapter: a request that names a personal one (X-RL-
+    Adapter) is refused, never applied to the default instead."""
+    async def guarded(request: web.Request) -> web.Response:
+        if adapter_header(request.headers) is not None:
+            raise APIError(400, "the actions (serve a checkpoint, pause, resume, save, "
+                           "download) act on the default adapter; a personal adapter's are "
+                           "not offered yet", param="X-RL-Adapter",
+                           code="unsupported_for_adapter")
+        return await handler(request)
+    return guarded
+
+
 def add_routes(app: web.Application) -> None:
     for prefix in ("/v1", "/ui/api"):  # the API key, or the dashboard's cookie
-        app.router.add_post(prefix + "/adapters/{step}/serve", serve_adapter)
-        app.router.add_post(prefix + "/training/pause", pause_training)
-        app.router.add_post(prefix + "/training/resume", resume_training)
-        app.router.add_post(prefix + "/checkpoints", save_checkpoint)
+        app.router.add_post(prefix + "/adapters/{step}/serve", default_adapter_only(
+            serve_adapter))
+        app.router.add_post(prefix + "/training/pause", default_adapter_only(pause_training))
+        app.router.add_post(prefix + "/training/resume", default_adapter_only(resume_training))
+        app.router.add_post(prefix + "/checkpoints", default_adapter_only(save_checkpoint))
     # before the .zip route, whose {step} would take "3.peft" (and answer 400)
-    app.router.add_get("/ui/api/adapters/{step}.peft.zip", download_peft)
-    app.router.add_get("/ui/api/adapters/{step}.zip", download)
+    app.router.add_get("/ui/api/adapters/{step}.peft.zip", default_adapter_only(download_peft))
+    app.router.add_get("/ui/api/adapters/{step}.zip", default_adapter_only(download))

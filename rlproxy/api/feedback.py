@@ -14,7 +14,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlproxy.api.edge import json_body, json_response
-from rlproxy.api.sessions import learning_paths
+from rlproxy.api.sessions import find_session
 from rlproxy.protocol import APIError, json_int, shown
 
 # A failed field's message, by field: the endpoint's words since before this model existed.
@@ -69,13 +69,10 @@ async def parse_feedback(request: web.Request) -> FeedbackRequest:
 async def feedback(request: web.Request) -> web.Response:
     body = await parse_feedback(request)
     sid = body.session_id
-    uid = scorer = None
-    for store, scorer in learning_paths(request):  # the adapter whose session it is
-        uid = store.find_turn(sid, uid=body.turn_uid, index=body.turn_index,
-                              turn_id=body.turn_id, step_index=body.step_index,
-                              last=body.turn == "last")
-        if uid is not None:
-            break
+    store, scorer = find_session(request, sid)  # the adapter whose session it is
+    uid = store.find_turn(sid, uid=body.turn_uid, index=body.turn_index, turn_id=body.turn_id,
+                          step_index=body.step_index, last=body.turn == "last") \
+        if store is not None else None
     if uid is None:
         raise APIError(404, f"no such turn in session {shown(sid)} (open or recently closed)",
                        param="session_id", code="turn_not_found")

@@ -1,4 +1,5 @@
-"""GET /v1/models and /v1/models/{id}: the served model names, in a shape both SDKs parse."""
+"""GET /v1/models and /v1/models/{id}: the served model names, in a shape both SDKs parse; the
+personal adapters made so far are listed as `MODEL:NAME` (pipeline.py `Adapters`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from aiohttp import web
 
 from rlproxy import paths
 from rlproxy.api.edge import json_response
-from rlproxy.api.turns import STEP_SUFFIX
-from rlproxy.appkeys import MODEL, SETTINGS, STARTED
+from rlproxy.api.turns import model_name
+from rlproxy.appkeys import ADAPTERS, MODEL, SETTINGS, STARTED
 from rlproxy.ops.health import served_names
 from rlproxy.paths import kept_checkpoint
 from rlproxy.protocol import APIError, shown
@@ -33,7 +34,10 @@ def model_card(app: web.Application, name: str) -> dict:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    data = [model_card(request.app, name) for name in served_names(request.app)]
+    app = request.app
+    names = served_names(app)
+    adapters = list(app[ADAPTERS].by_name) if ADAPTERS in app and names else []
+    data = [model_card(app, name) for name in names + [f"{names[0]}:{a}" for a in adapters]]
     # has_more/first_id/last_id: Anthropic's page fields (one page holds every model).
     return json_response({"object": "list", "data": data, "has_more": False,
                           "first_id": data[0]["id"] if data else None,
@@ -41,13 +45,32 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def get_model(request: web.Request) -> web.Response:
-    """A served name, or `NAME@STEP` while checkpoint STEP is kept (api/turns.py serves it)."""
-    app, name = request.app, request.match_info["model_id"]
-    step = STEP_SUFFIX.fullmatch(name)
-    known = name in served_names(app) if step is None else (
-        step[1] in served_names(app) and kept_checkpoint(
-            app[SETTINGS].records.data_dir / paths.CHECKPOINTS, int(step[2])) is not None)
+    """A served name; `NAME:ADAPTER` for a personal adapter that exists, or that a request
+    would make now; either with `@STEP` while that adapter's checkpoint STEP is kept (api/
+    turns.py serves them)."""
+    app, model = request.app, request.match_info["model_id"]
+    served = served_names(app)
+    try:
+        name = model_name(model, served)
+    except APIError:  # a malformed adapter name
+        name = None
+    known = name is not None and name.base in served and (
+        name.adapter is None or adapter_known(app, name.adapter))
+    if known and name.step is not None:
+        folder = app[SETTINGS].records.data_dir
+        if name.adapter is not None:
+            folder = folder / paths.ADAPTERS / name.adapter
+        known = kept_checkpoint(folder / paths.CHECKPOINTS, name.step) is not None
     if not known:
-        raise APIError(404, f"The model {shown(name)} does not exist", param="model",
+        raise APIError(404, f"The model {shown(model)} does not exist", param="model",
                        code="model_not_found")
-    return json_response(model_card(app, name))
+    return json_response(model_card(app, model))
+
+
+def adapter_known(app: web.Application, adapter: str) -> bool:
+    adapters = app.get(ADAPTERS)
+    if adapters is None:
+        return False
+    s = app[SETTINGS].sessions
+    return adapter in adapters.by_name or (
+        s.adapter_names == "open" and len(adapters.by_name) < s.max_adapters)

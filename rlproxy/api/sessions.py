@@ -17,7 +17,8 @@ from rlproxy.protocol import APIError, shown
 
 def learning_paths(request: web.Request) -> list[tuple]:
     """(session store, scorer) of the adapter X-RL-Adapter names; without the header, the
-    default adapter's first, then every personal adapter's (where to look for a session)."""
+    default adapter's, then every personal adapter's (where to look for a session: `find_session`
+    refuses an id more than one of them holds)."""
     app, name = request.app, adapter_header(request.headers)
     adapters = app.get(ADAPTERS)
     if name is None:
@@ -25,22 +26,24 @@ def learning_paths(request: web.Request) -> list[tuple]:
             (a.pipeline.store, a.pipeline.scorer)
             for a in (adapters.by_name.values() if adapters is not None else [])]
     if adapters is None:
-        raise APIError(409, f"X-RL-Adapter names '{name}', and this server has no personal "
+        raise APIError(400, f"X-RL-Adapter names '{name}', and this server has no personal "
                        f"adapters ({app.get(ADAPTERS_OFF)})", param="X-RL-Adapter",
                        code="adapters_off")
-    if name not in adapters.by_name:
+    if (personal := adapters.find(name, "X-RL-Adapter")) is None:
         raise APIError(404, f"no adapter named '{name}' (it has had no request yet)",
                        param="X-RL-Adapter", code="adapter_not_found")
-    p = adapters.by_name[name].pipeline
-    return [(p.store, p.scorer)]
+    return [(personal.pipeline.store, personal.pipeline.scorer)]
 
 
 def find_session(request: web.Request, sid: str):
-    """(the store that holds session SID, its scorer), or (None, None)."""
-    for store, scorer in learning_paths(request):
-        if store.find(sid) is not None:
-            return store, scorer
-    return None, None
+    """(the store that holds session SID, its scorer), or (None, None). Session ids are the
+    clients' own: one that two adapters hold is refused unless X-RL-Adapter says which."""
+    held = [(store, scorer) for store, scorer in learning_paths(request)
+            if store.find(sid) is not None]
+    if len(held) > 1:
+        raise APIError(409, f"session {shown(sid)} is held by more than one adapter: name one "
+                       "with X-RL-Adapter", param="session_id", code="ambiguous_session")
+    return held[0] if held else (None, None)
 
 
 async def list_sessions(request: web.Request) -> web.Response:

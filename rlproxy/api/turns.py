@@ -219,7 +219,7 @@ async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api
     if settings.server.strict_model_names and name.base not in served_names(app):
         raise APIError(404, f"The model '{req.model}' does not exist", param="model",
                        code="model_not_found")
-    personal = personal_adapter(app, name, tags)
+    personal = await personal_adapter(app, name, tags)
     store = personal.pipeline.store if personal is not None else app[SESSIONS]
     # Keyed per API: a retry comes back through the door it first used, in that door's shape.
     replay_key = f"{api}:{tags.request_id}" if tags.request_id and not tags.opt_out else None
@@ -310,6 +310,8 @@ def model_name(model: str | None, served: list[str]) -> ModelName:
     if rest and ":" in rest:
         base, suffix = rest.rsplit(":", 1)
         if base in served:  # `llama3:8b` sent to a server that is not llama3 stays a name
+            if suffix.strip().lower() == "default":
+                return ModelName(base, None, step)
             try:
                 return ModelName(base, adapter_name(suffix), step)
             except ValueError as e:
@@ -317,20 +319,27 @@ def model_name(model: str | None, served: list[str]) -> ModelName:
     return ModelName(rest, None, step)
 
 
-def personal_adapter(app: web.Application, name: ModelName, tags: TurnTags):
+async def personal_adapter(app: web.Application, name: ModelName, tags: TurnTags):
     """The personal adapter a request names (`MODEL:NAME` or X-RL-Adapter), made on its first
-    request (pipeline.py `Adapters`); None for the default adapter."""
+    request (pipeline.py `Adapters`); None for the default adapter. `MODEL:NAME@STEP` only
+    reads a checkpoint: it makes no adapter."""
     if name.adapter and tags.adapter and name.adapter != tags.adapter:
         raise APIError(400, f"the model names adapter '{name.adapter}' and X-RL-Adapter "
                        f"'{tags.adapter}'", param="model")
     wanted = name.adapter or tags.adapter
     if wanted is None:
         return None
+    param = "model" if name.adapter else "X-RL-Adapter"
     if ADAPTERS not in app:
-        raise APIError(409, f"adapter '{wanted}' was asked for, and this server has no "
-                       f"personal adapters ({app.get(ADAPTERS_OFF)})", param="model",
+        raise APIError(400, f"adapter '{wanted}' was asked for, and this server has no "
+                       f"personal adapters ({app.get(ADAPTERS_OFF)})", param=param,
                        code="adapters_off")
-    return app[ADAPTERS].get(wanted)
+    if name.step is not None:
+        if (personal := app[ADAPTERS].find(wanted, param)) is None:
+            raise APIError(404, f"The model '{wanted}@{name.step}' does not exist: no adapter "
+                           f"named '{wanted}'", param=param, code="model_not_found")
+        return personal
+    return await app[ADAPTERS].get(wanted, param)
 
 
 async def saved_checkpoint(app: web.Application, model: str | None, step: int | None,

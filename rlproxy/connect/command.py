@@ -20,7 +20,7 @@ from rlproxy.connect import check
 from rlproxy.connect.agents import AGENTS, BUDGET_CAVEATS, WINDOW_NEEDS, Target
 from rlproxy.connect.formats import ConfigError, dump, load
 from rlproxy.ops.status import fetch
-from rlproxy.settings import ModelSettings
+from rlproxy.settings import ModelSettings, adapter_name
 
 PLACEHOLDER_KEY = "rlproxy"  # the server checks no key unless it was started with --api-key
 
@@ -182,6 +182,13 @@ def connect_cmd(args: argparse.Namespace) -> int:
             return 2
         return undo(Path(os.path.realpath(agent.path())))
     url, key = base_url(args.url), args.api_key or PLACEHOLDER_KEY
+    adapter = None
+    if getattr(args, "adapter", None):
+        try:
+            adapter = adapter_name(args.adapter)
+        except ValueError as e:
+            print(f"rlproxy connect: --adapter: {e}", file=sys.stderr)
+            return 2
     try:
         name, context, cap = served(url, key, args.model)
     except KeyRefused as e:
@@ -192,7 +199,10 @@ def connect_cmd(args: argparse.Namespace) -> int:
         print(f"note: no server answered at {url}/v1/models; using the model name {name!r} and "
               "leaving the context window to the agent (run connect again once the server is "
               "up to fill them in)")
-    target = Target(url, args.model or name, key, context, cap)
+    model = args.model or name
+    if adapter is not None:  # api/turns.py `model_name`: MODEL:ADAPTER names a personal adapter
+        model = f"{model}:{adapter}"
+    target = Target(url, model, key, context, cap)
     print(f"{agent.name} -> {target.openai_url}, model {target.model}"
           + (f", {context:,}-token window" if context else ""))
     rc = connect(args.agent, target, args.dry_run)

@@ -30,7 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from rlproxy import paths, records
 from rlproxy.appkeys import (
-    ADMISSION, ENGINE, METRICS, MODEL, SCORER, SESSIONS, SETTINGS, TINKER, TRAINER,
+    ADAPTERS, ADMISSION, ENGINE, METRICS, MODEL, SCORER, SESSIONS, SETTINGS, TINKER, TRAINER,
 )
 from rlproxy.ops import logs
 
@@ -255,6 +255,9 @@ class LiveCollector:
                         t["queued"])
             yield gauge("rlproxy_training_paused", "1 while training is paused",
                         int(t["paused"]))
+        adapters = app.get(ADAPTERS)
+        if adapters is not None:
+            yield from personal_metrics(adapters.health()["adapters"])
         tinker = app.get(TINKER)
         if tinker is not None:
             yield from tinker_metrics(tinker.health())
@@ -275,6 +278,28 @@ class LiveCollector:
         yield gauge("rlproxy_process_peak_resident_memory_bytes", "The most resident memory "
                     "the process has held (a long training step's, mostly)",
                     peak_resident_bytes())
+
+
+def personal_metrics(adapters: dict):
+    """From pipeline.py `Adapters.health()`: each personal adapter's figures, labelled."""
+    yield gauge("rlproxy_personal_adapters", "Personal adapters made (MODEL:NAME, "
+                "X-RL-Adapter)", len(adapters))
+    rows = (("rlproxy_personal_adapter_version", "Version a personal adapter serves", "gauge",
+             lambda a: a["version"]),
+            ("rlproxy_personal_sessions_open", "A personal adapter's open sessions", "gauge",
+             lambda a: a["sessions_open"]),
+            ("rlproxy_personal_train_steps", "A personal adapter's optimizer steps by this "
+             "process", "counter", lambda a: (a["trainer"] or {}).get("optimizer_steps", 0)),
+            ("rlproxy_personal_turns_trained", "Turns a personal adapter trained on",
+             "counter", lambda a: (a["trainer"] or {}).get("turns_trained", 0)),
+            ("rlproxy_personal_train_queue_depth", "Released turns a personal adapter has not "
+             "trained yet", "gauge", lambda a: (a["trainer"] or {}).get("untrained", 0)))
+    for name, doc, kind, value in rows:
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            name, doc, labels=["adapter"])
+        for adapter, a in sorted(adapters.items()):
+            family.add_metric([adapter], float(value(a)))
+        yield family
 
 
 def prefix_cache_metrics(c: dict):

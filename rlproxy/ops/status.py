@@ -150,6 +150,14 @@ def render(health: dict, overview: dict | None) -> str:
         else:
             lines.append(f"trainer   {'error: ' + t['error'] if t.get('error') else state.words}"
                          f"; {figures}")
+    personal = (health.get("adapters") or {}).get("adapters") or {}
+    for name, a in sorted(personal.items()):  # personal adapters: a line each
+        at = a["trainer"]
+        training = ("not training" if at is None else f"error: {at['error']}" if at["error"]
+                    else f"step {at['step']}, {at['turns_trained']} turns trained, "
+                    f"{at['untrained']} to train" + (", paused" if at["paused"] else ""))
+        lines.append(f"adapter   {name}: version {a['version']}, {a['sessions_open']} open "
+                     f"sessions, {training}")
     if overview is not None:
         lines.append(held_out_line(overview["evals"], overview["trainer"].get("eval_every")))
         today = overview["today"]

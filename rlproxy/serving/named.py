@@ -19,8 +19,10 @@ adapter is swapped (`invalidate`); adapters may differ in rank (each has its own
 layer an adapter has no LoRA on gets zero columns.
 A job is admitted with the model object it names (`Job.adapter_model`, else the one its name
 holds now) and finishes on it, so adding a name again or dropping it never fails a job under
-way. No prefix cache for named jobs (their KV is not the live adapter's), and no speculation.
-Engine thread only; knows nothing of HTTP or of the Tinker API.
+way; a job admitted by name only also takes the version its name holds (a personal adapter's,
+serving/personal.py), which its tokens carry. No prefix cache for named jobs (their KV is not
+the live adapter's); a lone named stream speculates with its own model (engine.py). Engine
+thread only; knows nothing of HTTP, of the Tinker API or of personal adapters' training.
 """
 
 from __future__ import annotations

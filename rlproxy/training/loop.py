@@ -23,7 +23,6 @@ Not here: the gradient math and the optimizer (training/learner.py), the gate's 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -107,7 +106,7 @@ class Trainer:
         self.operator = Operator(self.learner, engine, self.gate, self.books, self.saver,
                                  self.publisher, self.progress, self.status, self.stats,
                                  self.writer, running=self.running)
-        self.turns = turns or contextlib.nullcontext()
+        self.turns = turns or StepTurns()  # alone: never waits
         self._thread: threading.Thread | None = None
         self._running = False
 
@@ -132,7 +131,11 @@ class Trainer:
                         break  # stopped while paused: the held batch trains after a restart
                     if batch and not self.train_or_wait(batch):
                         continue
-                    self.publisher.evaluate_if_due()  # publish the candidate, or roll back
+                    if self.gate is not None and self.gate.due and self.take_turn():
+                        try:
+                            self.publisher.evaluate_if_due()  # publish it, or roll back
+                        finally:
+                            self.turns.give()
             except Exception as e:  # surfaced on /healthz
                 log.exception("trainer thread died")
                 self.status.report(Status.DIED, f"{type(e).__name__}: {e}")
@@ -144,13 +147,21 @@ class Trainer:
     def train_or_wait(self, batch: list[dict]) -> bool:
         """Train BATCH and settle it in the books; False when it waits (a full disk, a learner
         away): its items not trained yet go back to the inbox, after the outcome's delay."""
-        with self.turns:  # the other adapters' trainers wait meanwhile
+        if not self.take_turn():  # stopped while another adapter's trainer had the turn
+            self.books.settle(batch, again=True)  # trained after a restart
+            return False
+        try:  # the other adapters' trainers wait meanwhile
             outcome = self.runner.run(batch)
+        finally:
+            self.turns.give()
         self.books.settle(batch, again=outcome.wait is not None or outcome.stopped)
         if outcome.wait is not None:
             time.sleep(outcome.wait.delay)
             return False
         return True
+
+    def take_turn(self) -> bool:
+        return self.turns.take(lambda: not self._running)
 
     def train_journaled(self, batch: list[dict]) -> list[dict]:
         """BATCH's step lines (`rlproxy train --from`); raises what made it wait."""

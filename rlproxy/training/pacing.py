@@ -62,22 +62,34 @@ class Pacer:
 
 
 class StepTurns:
-    """One training step at a time across the trainers of one process (the default adapter's
-    and each personal adapter's, pipeline.py), taken in the order they asked: a ticket lock, so
-    a trainer with work always waiting cannot take every step while another waits. Each step
-    paces itself as above, so together they keep the one duty cycle. `with turns:` around a
-    step; any thread."""
+    """One training step (or evaluation) at a time across the trainers of one process (the
+    default adapter's and each personal adapter's, pipeline.py), taken in the order they asked:
+    a ticket lock, so a trainer with work always waiting cannot take every step while another
+    waits. Each step paces itself as above, so together they keep the one duty cycle. A trainer
+    that is stopping gives up its place in the line (`take` returns False) instead of waiting
+    for a turn it would only end at once; the line skips it. Any thread."""
 
     def __init__(self):
         self._cond = threading.Condition()
         self._next = self._now = 0
+        self._gave_up: set[int] = set()
 
-    def __enter__(self) -> None:
+    def take(self, stopping: Callable[[], bool]) -> bool:
+        """Wait for this caller's turn: True once it is here (`give` it back after), False
+        when STOPPING says so first."""
         with self._cond:
             ticket, self._next = self._next, self._next + 1
-            self._cond.wait_for(lambda: self._now == ticket)
+            while self._now != ticket:
+                if stopping():
+                    self._gave_up.add(ticket)
+                    return False
+                self._cond.wait(timeout=0.1)
+            return True
 
-    def __exit__(self, *exc) -> None:
+    def give(self) -> None:
         with self._cond:
             self._now += 1
+            while self._now in self._gave_up:
+                self._gave_up.discard(self._now)
+                self._now += 1
             self._cond.notify_all()
