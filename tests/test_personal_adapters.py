@@ -191,3 +191,36 @@ def test_names_the_limit_and_fixed_names_are_refused_in_the_apis_shape(tiny, tmp
         assert off.value.body["code"] == "adapters_off" and "--max-adapters 0" in str(
             off.value)
         assert adapters(s.url) == {"enabled": False, "reason": "--max-adapters 0"}
+
+
+def test_each_adapter_reuses_its_own_prefix_kv_and_no_one_elses(tiny, tmp_path):
+    """A personal adapter's next turn restores the KV of its last one from the prefix cache,
+    in a lineage of its own: another adapter's request with the same prompt prefills it all,
+    and gives the tokens and log-probs of its own adapter, as from scratch."""
+    from conftest import make_settings
+
+    long = " ".join(f"word{i % 50}" for i in range(1200))  # ~1,200+ prompt tokens
+
+    def ask(c, headers, tail=""):
+        r = c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": long + tail}], max_tokens=6,
+            temperature=0, logprobs=True, extra_headers={"X-RL-Opt-Out": "1", **headers})
+        return (r.usage.prompt_tokens_details.cached_tokens, r.choices[0].message.content,
+                [t.logprob for t in r.choices[0].logprobs.content])
+
+    with ServerThread(make_settings(tmp_path), tiny) as s:
+        c = s.client()
+        alice = {"X-RL-Adapter": "alice"}
+        first = ask(c, alice)
+        time.sleep(0.5)  # its KV is written by the store's thread
+        again = ask(c, alice, " Then say more.")
+        bob = ask(c, {"X-RL-Adapter": "bob"}, " Then say more.")
+        default = ask(c, {}, " Then say more.")
+        cache = requests.get(s.url + "/healthz").json()["prefix_cache"]
+    with ServerThread(make_settings(tmp_path / "none", prefix_cache=False), tiny) as s:
+        scratch = ask(s.client(), {"X-RL-Adapter": "alice"}, " Then say more.")
+    assert first[0] == 0 and again[0] > 1000, (first[0], again[0])
+    assert bob[0] == 0 and default[0] == 0, (bob[0], default[0])
+    assert cache["hits"] == 1 and cache["stores"] >= 3, cache
+    # restored KV answers as prefilling it all did
+    assert again[1] == scratch[1] and again[2] == pytest.approx(scratch[2], abs=1e-4)

@@ -16,6 +16,10 @@ engine only; knows nothing of requests or sessions.
   (version + a fingerprint of the LoRA weights, so a restart that reuses a version number with
   other weights never matches). An entry whose tokens are a prefix of a newer one is dropped:
   a session keeps one entry that grows turn by turn.
+- **Personal adapters** (serving/personal.py) each have a lineage of their own, named by the
+  engine's name for the adapter: its own base (so its entries, window and evictions are its
+  own), its own `lineage-NAME.json`. A lookup or a store names the lineage; the live adapter's
+  is the default one.
 - **Stale reuse**: a lookup also accepts entries of the N adapters before the one served. An
   entry is stored under the *oldest* adapter whose KV it holds (the engine says which), so no
   token's KV is ever more than N versions old: staleness stays bounded instead of compounding.

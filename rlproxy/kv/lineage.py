@@ -18,12 +18,17 @@ from rlproxy.kv.blobs import digest
 LINEAGE = "lineage.json"  # the window's (version, namespace) links, newest first
 
 
+def lineage_file(adapter: str | None) -> str:
+    """The default adapter's `lineage.json`; a personal adapter's `lineage-NAME.json`."""
+    return LINEAGE if adapter is None else f"lineage-{adapter.replace(':', '-')}.json"
+
+
 class Lineage:
     """`set_adapter` from one thread (the engine's); `served` is replaced whole, so any thread
     may read it without a lock."""
 
-    def __init__(self, directory: Path, base: str, max_lag: int):
-        self.path, self.base, self.max_lag = directory / LINEAGE, base, max_lag
+    def __init__(self, directory: Path, base: str, max_lag: int, file: str = LINEAGE):
+        self.path, self.base, self.max_lag = directory / file, base, max_lag
         # (version, ns) served now and the window servable with it, newest first
         self.served: tuple[int, str | None, list[tuple[int, str]]] = (0, None, [])
         self._parents = self._read()  # ns -> (version, ns) of the adapter it came from
@@ -52,7 +57,7 @@ class Lineage:
 
     def save(self) -> None:
         if self.max_lag:  # links matter only to a window wider than the served adapter
-            tmp = self.path.with_name(LINEAGE + ".tmp")
+            tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text(json.dumps(self.served[2]))
             tmp.replace(self.path)
 

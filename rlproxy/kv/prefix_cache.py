@@ -33,7 +33,7 @@ from rlproxy.kv.blobs import (
 )
 from rlproxy.kv.disk import open_disk
 from rlproxy.kv.index import BlockIndex
-from rlproxy.kv.lineage import Lineage
+from rlproxy.kv.lineage import Lineage, lineage_file
 from rlproxy.mlx_threads import mlx_thread
 from rlproxy.settings import CacheSettings
 from rlproxy.stores import StoreUnavailable
@@ -87,6 +87,9 @@ class PrefixCache:
         self.memory_limit = int(settings.prefix_cache_memory_mb * 1024**2)
         self.max_lag = settings.kv_reuse_max_lag
         self._lineage = Lineage(self.directory, self.base, self.max_lag)
+        # personal adapters' lineages (serving/personal.py), by the engine's name for each:
+        # each its own base, so its entries, windows and evictions are its own
+        self._lineages: dict[str, Lineage] = {}
         self._lock = threading.Lock()  # index and memory tier: lookups and the writer
         self._small = threading.Lock()  # counters and queued writes: never held for long
         self._memory = LRUPromptCache(max_size=1 << 30, max_bytes=self.memory_limit)
@@ -104,36 +107,52 @@ class PrefixCache:
                                         daemon=True)
         self._writer.start()
 
-    def served(self) -> tuple[int, str | None]:
-        """(version, namespace) of the adapter served now."""
-        return self._lineage.served[:2]
+    def lineage(self, adapter: str | None = None) -> Lineage:
+        """The live adapter's lineage, or the personal adapter ADAPTER's (made at its first
+        `set_adapter`; until then, one that serves nothing: lookups miss, nothing is stored)."""
+        if adapter is None:
+            return self._lineage
+        found = self._lineages.get(adapter)
+        if found is None:
+            base = digest(self.base.encode(), adapter.encode(), person=b"personal")
+            found = Lineage(self.directory, base, self.max_lag, lineage_file(adapter))
+        return found
 
-    def window(self) -> list[tuple[int, str]]:
+    def served(self, adapter: str | None = None) -> tuple[int, str | None]:
+        """(version, namespace) of the adapter served now."""
+        return self.lineage(adapter).served[:2]
+
+    def window(self, adapter: str | None = None) -> list[tuple[int, str]]:
         """The (version, namespace) pairs whose KV may be reused now, newest first."""
-        return self._lineage.served[2]
+        return self.lineage(adapter).served[2]
 
     # ---- engine thread ----
 
-    def set_adapter(self, version: int, fingerprint: str) -> None:
-        """The engine now serves this adapter: look up under it and the N before it."""
-        self._lineage.set_adapter(version, fingerprint)
+    def set_adapter(self, version: int, fingerprint: str, adapter: str | None = None) -> None:
+        """The engine now serves this adapter (the live one, or the personal adapter ADAPTER):
+        look up under it and the N before it."""
+        if adapter is not None and adapter not in self._lineages:
+            self._lineages[adapter] = self.lineage(adapter)
+        self.lineage(adapter).set_adapter(version, fingerprint)
         if self._disk is not None:
-            self._queue.put(("stale", version))
+            self._queue.put(("stale", version, adapter))
 
-    def reset_lineage(self, version: int) -> None:
+    def reset_lineage(self, version: int, adapter: str | None = None) -> None:
         """VERSION, about to be published, is not a training step from the adapter served now
         (a rollback to an old checkpoint): KV from the versions before it must not be reused
         under it. Any thread; call it before publishing."""
-        self._lineage.reset(version)
+        self.lineage(adapter).reset(version)
 
     def put(self, tokens: list[int], cache: list, ends: list[int],
-            source: tuple[int, str]) -> None:
+            source: tuple[int, str], adapter: str | None = None) -> None:
         """Queue a finished request's KV (covering exactly `tokens`) for storing under `source`,
         the oldest adapter that computed any of it (from `fetch`); `ends` are its turn
-        boundaries (prompt end, completion end). KV older than the window is not stored."""
-        if self.unsupported or self._lineage.served[1] is None or len(tokens) < 2:
+        boundaries (prompt end, completion end). KV older than the window is not stored.
+        ADAPTER: the personal adapter whose lineage it belongs to (None: the live one's)."""
+        lineage = self.lineage(adapter)
+        if self.unsupported or lineage.served[1] is None or len(tokens) < 2:
             return
-        if source not in self.window():  # an adapter swap outran it by more than N versions
+        if source not in lineage.served[2]:  # an adapter swap outran it by more than N versions
             self._count(not_stored_stale=1)
             return
         if self._queue.qsize() >= MAX_PENDING:
@@ -153,17 +172,19 @@ class PrefixCache:
         version, ns = source
         with self._small:
             self._pending[write_id] = (ns, version, tokens, arrays)
-        self._queue.put(("put", write_id, ns, version, tokens, arrays, ends))
+        self._queue.put(("put", write_id, ns, version, tokens, arrays, ends, lineage.base))
 
     # ---- loader thread ----
 
-    def fetch(self, prompt: list[int]) -> tuple[list[KVCache] | None, int, tuple[int, str]]:
+    def fetch(self, prompt: list[int], adapter: str | None = None
+              ) -> tuple[list[KVCache] | None, int, tuple[int, str]]:
         """(a fresh cache holding the longest stored prefix of prompt, its length, source):
         source is (version, namespace) of the adapter that computed that KV, or of the one
         served on a miss; hand it back to `put`. At least one prompt token is left to prefill.
         Among the window's versions the longest prefix wins, the newest on a tie. The arrays
-        are lazy: evaluate them on the calling thread."""
-        version, ns, window = self._lineage.served
+        are lazy: evaluate them on the calling thread. ADAPTER: a personal adapter's lineage
+        (None: the live adapter's)."""
+        version, ns, window = self.lineage(adapter).served
         if self.unsupported or ns is None or len(prompt) < 2:
             return None, 0, (version, ns)
         try:
@@ -251,8 +272,9 @@ class PrefixCache:
                     if item[0] == "put":
                         self._write(*item[2:])
                     elif item[0] == "stale":
-                        self._evict_versions(item[1])
-                        self._lineage.save()
+                        lineage = self.lineage(item[2])
+                        self._evict_versions(item[1], lineage.base)
+                        lineage.save()
                     elif item[0] == "delete":
                         self._disk.delete(item[1])
                 except OSError as e:  # a full disk: not kept; it is only a cache
@@ -270,7 +292,8 @@ class PrefixCache:
             if self._disk is not None:
                 self._disk.close()  # this thread's SQLite connection
 
-    def _write(self, ns: str, version: int, tokens: np.ndarray, arrays: list, ends) -> None:
+    def _write(self, ns: str, version: int, tokens: np.ndarray, arrays: list, ends,
+               base: str) -> None:
         n = len(tokens)
         quant = self.quant if self.quant and n >= self.quantized_kv_start else None
         if quant:
@@ -284,7 +307,7 @@ class PrefixCache:
             older = self._index.superseded(ns, tokens, hashes)
         lengths = {x for x in ends if 0 < x <= n} | {n}
         lengths |= {x for e in older for x, _ in e.ends}
-        entry = Entry(self.base, version, ns, n, len(blob), tuple(hashes[1:]),
+        entry = Entry(base, version, ns, n, len(blob), tuple(hashes[1:]),
                       tuple((x, end_hash(hashes, tokens, self.block, x))
                             for x in sorted(lengths)[-MAX_ENDS:]))
         key = entry.key
@@ -322,7 +345,8 @@ class PrefixCache:
         under a small budget empties the store."""
         if self._disk.volume() + size <= self.disk_limit:
             return
-        servable = {ns for _, ns in self.window()}
+        servable = {ns for lineage in [self._lineage, *list(self._lineages.values())]
+                    for _, ns in lineage.served[2]}
         with self._lock:
             order = self._index.eviction_order(servable)
         for e in order:
@@ -333,12 +357,12 @@ class PrefixCache:
             if self._disk.volume() + size <= self.disk_limit:
                 return
 
-    def _evict_versions(self, version: int) -> None:
+    def _evict_versions(self, version: int, base: str) -> None:
         """Versions older than the window of the one now served (v - N) are never served
-        again: evict their namespaces' tags."""
+        again: evict their namespaces' tags (of the lineage whose entries carry BASE)."""
         oldest = version - self.max_lag
         with self._lock:
-            old = self._index.older_than(self.base, oldest)
+            old = self._index.older_than(base, oldest)
             for e in old:
                 self._index.drop(e.key)
         self._count(evicted_stale=len(old))

@@ -116,6 +116,9 @@ class Engine:
         self._gen: BatchGenerator | None = None
         self._jobs: dict[int, Job] = {}  # in the live BatchGenerator, by uid
         self._named = NamedAdapters(model)  # named adapters' rows in this one batch
+        # named adapters with a prefix-cache lineage of their own (personal adapters: added
+        # with a fingerprint); their jobs restore and store KV under it
+        self._kv_names: set[str] = set()
         self._lane = PrefillLane(model, prefill_step_size, min(8, max_batch))
         self._group_pending = False  # a group was handed over; the next step prefills it
 
@@ -155,7 +158,7 @@ class Engine:
         job.seeded = job.params.seed is not None
         if job.params.seed is None:
             job.params.seed = secrets.randbits(63)
-        if self._loader is not None and job.adapter is None:
+        if self._loader is not None and (job.adapter is None or job.adapter in self._kv_names):
             self._loader.submit(job)  # its cached prefix is restored there, off this thread
         else:
             self._post("submit", job)
@@ -189,13 +192,16 @@ class Engine:
                 log.exception("merging adapter version %d failed; serving it unmerged", version)
         self._post("adapter", (weights, version, fingerprint, merged, merged_bytes(merged)))
 
-    def add_adapter(self, name: str, model: nn.Module, version: int = 0) -> None:
+    def add_adapter(self, name: str, model: nn.Module, version: int = 0,
+                    fingerprint: str | None = None) -> None:
         """Serve MODEL (the serving model's base arrays with LoRA weights of its own, already
         evaluated) to jobs whose `adapter` is NAME, their tokens marked adapter version VERSION
         (a personal adapter's; 0 for saved ones); every other job keeps the live adapter.
+        FINGERPRINT (a personal adapter's: kv/blobs.py `weights_fingerprint`): its jobs restore
+        and store prefix KV in a lineage of NAME's own, as the live adapter's do in its.
         Adding the same MODEL again changes nothing; another model under NAME takes the jobs
         admitted from now on, and those admitted before finish on the model they started with."""
-        self._post("add_adapter", (name, model, version))
+        self._post("add_adapter", (name, model, version, fingerprint))
 
     def drop_adapter(self, name: str) -> None:
         """NAME serves no new job; the jobs admitted under it finish first (serving/named.py)."""
@@ -326,8 +332,15 @@ class Engine:
                 self.stats.swaps += 1
                 self.stats.last_swap_ms = (time.perf_counter() - tic) * 1000
                 metrics.observe_swap(self.stats.last_swap_ms / 1000, version)
-            elif kind in ("add_adapter", "drop_adapter"):
-                self._named.change(kind, *payload)
+            elif kind == "add_adapter":
+                name, model, version, fingerprint = payload
+                self._named.change(kind, name, model, version)
+                if fingerprint is not None and self.prefix_cache is not None:
+                    self.prefix_cache.set_adapter(version, fingerprint, adapter=name)
+                    self._kv_names.add(name)
+            elif kind == "drop_adapter":
+                self._named.change(kind, payload[0], None)
+                self._kv_names.discard(payload[0])
 
     def _insert(self, job: Job) -> None:
         if job.done or not self._running:  # cancelled before it started, or shutting down
@@ -335,19 +348,21 @@ class Engine:
                 self._fail(job, "the engine stopped")
             return
         restored, job.restored = job.restored, None
-        if job.adapter is not None:  # a named adapter: its model now, no prefix cache
+        if job.adapter is not None:  # a named adapter: its model now
             try:
-                job.adapter_model, restored = self._named.model_for(job), None
+                job.adapter_model = self._named.model_for(job)
             except KeyError as e:
                 log.warning("a job for adapter %s was refused: %s", job.adapter, e)
                 return self._fail(job, f"KeyError: {e}")
-        elif self.prefix_cache is not None:
-            served = self.prefix_cache.served()
-            if restored is None or job.kv_source not in self.prefix_cache.window():
+        if self._cached(job):  # the live adapter's, or a personal adapter's own lineage
+            served = self.prefix_cache.served(job.adapter)
+            if restored is None or job.kv_source not in self.prefix_cache.window(job.adapter):
                 # a miss, or an adapter swap since the lookup outran the window: start afresh
                 restored, job.cached_tokens, job.kv_source = None, 0, served
             else:  # the prefix's tokens count as prompt for the sampler's context
                 job.cached_version = job.kv_source[0]
+        else:  # KV kept nowhere (a saved adapter's), or a name dropped since its lookup
+            restored, job.cached_tokens = None, 0
         self.stats.requests += 1
         self._lane.add(job, restored)  # prefilled when decoding has had its share
         self.stats.active = self._active()  # the judge yields now
@@ -550,13 +565,20 @@ class Engine:
         """The model a lone stream decodes JOB with: its named adapter's own, or the live one."""
         return job.adapter_model if job.adapter is not None else self.model
 
+    def _cached(self, job: Job) -> bool:
+        """Whether JOB restores and stores prefix KV: the live adapter's jobs, and a personal
+        adapter's (in its own lineage); other named adapters' KV is kept nowhere."""
+        return self.prefix_cache is not None and (
+            job.adapter is None or job.adapter in self._kv_names)
+
     def _store(self, job: Job, cache, tokens: list[int]) -> None:
         """Hand a job's KV (covering exactly `tokens`: prompt + every sampled token) to the
         prefix cache if it holds something new; the store files it under the job's oldest
         adapter, or refuses it when that one has left the reuse window."""
-        if job.adapter is None and len(tokens) > job.cached_tokens:  # named: not the live KV
+        if self._cached(job) and job.kv_source is not None and len(tokens) > job.cached_tokens:
             prompt_end = min(len(job.prompt_ids), len(tokens))
-            self.prefix_cache.put(list(tokens), cache, [prompt_end, len(tokens)], job.kv_source)
+            self.prefix_cache.put(list(tokens), cache, [prompt_end, len(tokens)], job.kv_source,
+                                  adapter=job.adapter)
 
     def _fail(self, job: Job, message: str) -> None:
         job.done = True

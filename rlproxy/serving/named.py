@@ -21,7 +21,8 @@ A job is admitted with the model object it names (`Job.adapter_model`, else the 
 holds now) and finishes on it, so adding a name again or dropping it never fails a job under
 way; a job admitted by name only also takes the version its name holds (a personal adapter's,
 serving/personal.py), which its tokens carry. No prefix cache for named jobs (their KV is not
-the live adapter's); a lone named stream speculates with its own model (engine.py). Engine
+the live adapter's), except a personal adapter's, which the engine keeps in a lineage of its
+own (serving/personal.py); a lone named stream speculates with its own model (engine.py). Engine
 thread only; knows nothing of HTTP, of the Tinker API or of personal adapters' training.
 """
 

@@ -6,9 +6,12 @@ same `Trainer` as the default adapter's, and this object is the face of the engi
 given: `publish_adapter(weights, version)` makes a model object over the serving model's base
 arrays with those LoRA weights and hands it to the engine under NAME (`Engine.add_adapter`:
 jobs admitted before finish on the model they started with), `busy` is the engine's (the
-trainer yields to all serving, not only its own), and it has no prefix cache (named jobs do not
-use it). The training copy a personal adapter starts from is `training_model`: the base with a
-fresh LoRA, equal to the base until it trains, whatever the default adapter has learned.
+trainer yields to all serving, not only its own). Each version goes with its fingerprint, so
+the adapter's jobs restore and store prefix KV in a lineage of its own (kv/prefix_cache.py):
+an agent's next turn prefills only what is new, and one adapter's KV never serves another's
+request; `prefix_cache` is that lineage as the trainer sees it (a rollback starts a new one).
+The training copy a personal adapter starts from is `training_model`: the base with a fresh
+LoRA, equal to the base until it trains, whatever the default adapter has learned.
 """
 
 from __future__ import annotations
@@ -17,17 +20,28 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from rlproxy.kv.blobs import adapter_fingerprint
 from rlproxy.serving.model import lora_model, serve_lora_in_one_step
 
 
-class PersonalAdapter:
-    prefix_cache = None  # a named adapter's jobs neither restore nor store KV
+class PersonalLineage:
+    """The engine's prefix cache as one personal adapter's trainer sees it."""
 
+    def __init__(self, cache, name: str):
+        self.cache, self.name = cache, name
+
+    def reset_lineage(self, version: int) -> None:
+        self.cache.reset_lineage(version, self.name)
+
+
+class PersonalAdapter:
     def __init__(self, engine, loaded, name: str):
         self.engine, self.loaded, self.name = engine, loaded, name
         self.lora_config = loaded.lora_config
         self.adapter_version = 0
         self.stats = engine.stats  # last_swap_ms: the engine's, as the step lines report it
+        self.prefix_cache = (PersonalLineage(engine.prefix_cache, name)
+                             if engine.prefix_cache is not None else None)
 
     def busy(self) -> bool:
         return self.engine.busy()
@@ -39,7 +53,8 @@ class PersonalAdapter:
         serve_lora_in_one_step(model)  # a lone stream on it decodes with its own layers
         model.eval()
         mx.eval(model.parameters())
-        self.engine.add_adapter(self.name, model, version)
+        fingerprint = adapter_fingerprint(model) if self.prefix_cache is not None else None
+        self.engine.add_adapter(self.name, model, version, fingerprint)
         self.adapter_version = version
 
     def drop(self) -> None:

@@ -87,7 +87,7 @@ class Loader:
                     self._queue.task_done()
 
     def _load(self, job) -> None:
-        cache, n, source = self.prefix_cache.fetch(job.prompt_ids)
+        cache, n, source = self.prefix_cache.fetch(job.prompt_ids, job.adapter)
         if cache is not None:
             mx.eval([(c.keys, c.values) for c in cache])  # on this thread: MLX streams are ours
         job.restored, job.cached_tokens, job.kv_source = cache, n, source
