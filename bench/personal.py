@@ -16,7 +16,7 @@ one, which trains on nothing) answers the held-out topics greedily with `X-RL-Op
 recorded, never trained); the figure is the mean completion tokens over them. It prints both
 held-out curves (and the default's) against each adapter's optimizer steps, and writes JSON.
 
-    python bench/personal.py [--minutes 8] [--lr 1e-4] [--batch-size 8] [--max-tokens 48]
+    python bench/personal.py [--minutes 8] [--lr 1e-4] [--batch-size 8] [--max-tokens 96]
                              [--model smollm2-135m-instruct] [--out bench/results/personal.json]
 """
 
@@ -43,8 +43,9 @@ TOPICS = ["rivers", "bread", "trains", "owls", "glass", "tides", "maps", "bees",
           "clocks", "ferns", "comets", "tea", "bridges", "moss", "violins", "deserts", "ink",
           "lighthouses", "coral", "wool", "volcanoes", "paper", "orchards", "caves", "kelp",
           "canals", "saffron", "glaciers", "pottery", "eclipses"]
-ASKS = ["Tell me about {}.", "What should I know about {}?", "Explain {} to me.",
-        "Write a few sentences about {}."]
+# SmolLM2's greedy replies to these run from ~20 to ~90 tokens: room to move either way
+ASKS = ["Briefly, why do people like {}?", "Give me one fact about {}.",
+        "In a sentence or two, what are {}?"]
 REWARD_MODULE = '''\
 MAX_TOKENS = {max_tokens}
 
@@ -209,7 +210,7 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=8.0, help="training time (not evals)")
     p.add_argument("--lr", type=float, default=1e-4, help="the server's --learning-rate")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=48, help="reply budget M")
+    p.add_argument("--max-tokens", type=int, default=96, help="reply budget M")
     p.add_argument("--concurrency", type=int, default=2, help="sessions at once per user")
     p.add_argument("--eval-every-s", type=float, default=120.0)
     p.add_argument("--held-out", type=int, default=12, help="held-out prompts")

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -253,6 +254,8 @@ class Personal:
     name: str
     running: Running
     served: PersonalAdapter
+    used: float = field(default_factory=time.monotonic)  # its last request began
+    requests: int = 0  # its requests in flight (api/turns.py): never let go of meanwhile
 
     @property
     def pipeline(self) -> Pipeline:
@@ -286,6 +289,9 @@ class Adapters:
         self.by_name: dict[str, Personal] = {}
         self.making: dict[str, asyncio.Future] = {}
         self.failed: dict[str, str] = {}  # name -> why it could not be made (its requests: 503)
+        # on disk, not loaded: made by an earlier run and not asked for since this one
+        # started, or let go of after --adapter-idle-s; the next request brings it back
+        self.resting: set[str] = set()
         self.root = settings.records.data_dir / ADAPTERS_DIR
         self._worker: Worker | None = None
 
@@ -315,12 +321,13 @@ class Adapters:
         --max-adapters (PARAM: where the request named it)."""
         if (personal := self.find(name, param)) is not None:
             return personal
-        if name not in self.making:
+        if name not in self.making and name not in self.resting:
             s = self.settings.sessions
             if s.adapter_names == "fixed":
                 raise APIError(404, f"no adapter named '{name}' (--adapter-names fixed)",
                                param=param, code="adapter_not_found")
-            if len(self.by_name) + len(self.making) + len(self.failed) >= s.max_adapters:
+            if len(self.by_name) + len(self.making) + len(self.failed) + len(
+                    self.resting) >= s.max_adapters:
                 raise APIError(403, f"cannot make adapter '{name}': --max-adapters "
                                f"{s.max_adapters} exist already", param=param,
                                code="adapter_limit")
@@ -361,13 +368,40 @@ class Adapters:
             log.error("adapter %s could not be started from %s: %s: %s", name, data_dir,
                       type(e).__name__, e)
             self.failed[name] = f"{type(e).__name__}: {e}"
+            self.resting.discard(name)
             if created:  # made by this attempt and left empty: not an adapter after a restart
                 with contextlib.suppress(OSError):
                     data_dir.rmdir()
             return
+        self.resting.discard(name)
         self.by_name[name] = Personal(name, start(p), served)
         log.info("adapter %s: serving version %d from %s", name, served.adapter_version,
                  data_dir)
+
+    async def rest_idle(self) -> None:
+        """Let go of every adapter without a request for --adapter-idle-s: its pipeline stops
+        as at shutdown (the trainer saves weights and optimizer; turns waiting for their next
+        state stay in its journal) and the engine drops it; its next request makes it again,
+        from disk. Never one with a request in flight."""
+        idle_s = self.settings.sessions.adapter_idle_s
+        t = self.settings.trainer
+        if t.train and not t.resume:  # made again, it would start fresh: kept loaded
+            return
+        now = time.monotonic()
+        for personal in list(self.by_name.values()):
+            if personal.requests or now - personal.used < idle_s:
+                continue
+            del self.by_name[personal.name]  # no request finds it from here on
+            self.resting.add(personal.name)
+            if personal.pipeline.trainer is not None:
+                personal.pipeline.trainer.request_stop()
+            try:
+                await stop(personal.running)
+            except Exception:
+                log.exception("adapter %s did not stop cleanly", personal.name)
+            personal.served.drop()
+            log.info("adapter %s: idle for %.0f s, saved and let go of (its next request "
+                     "brings it back)", personal.name, now - personal.used)
 
     def trainers(self) -> list[Trainer]:
         return [a.pipeline.trainer for a in self.by_name.values()
@@ -406,7 +440,17 @@ class Adapters:
                              "turns_trained": t.stats.turns_trained}}
         return {"max_adapters": self.settings.sessions.max_adapters,
                 "names": self.settings.sessions.adapter_names, "adapters": out,
-                "failed": dict(self.failed)}
+                "resting": sorted(self.resting), "failed": dict(self.failed)}
+
+
+async def rest_idle_forever(adapters: Adapters) -> None:
+    every = min(60.0, max(0.5, adapters.settings.sessions.adapter_idle_s / 4))
+    while True:
+        await asyncio.sleep(every)
+        try:
+            await adapters.rest_idle()
+        except Exception:  # the next round tries again; serving is not touched
+            log.exception("letting idle adapters go failed")
 
 
 def personal_adapters_off(settings: Settings, ranks: Link | None) -> str | None:
@@ -444,15 +488,23 @@ def pipeline_context(settings: Settings):
         # SIGTERM: the trainers' steps end at their next unit while requests drain
         # (api/server.py)
         stopper = asyncio.create_task(stop_when(app[DRAINING], trainers))
+        idle = None
         try:
-            if adapters is not None:  # named at start-up, or with records from an earlier run
-                for name in dict.fromkeys([*settings.sessions.adapters, *adapters.on_disk()]):
+            if adapters is not None:
+                # those with records from an earlier run rest on disk until asked for
+                adapters.resting.update(adapters.on_disk())
+                for name in settings.sessions.adapters:  # named at start-up: made now
                     with phase(f"made adapter {name}"):
                         await adapters.make(name)  # one that fails is logged, and serves 503
+                if settings.sessions.adapter_idle_s > 0:
+                    idle = asyncio.create_task(rest_idle_forever(adapters))
             yield
         finally:
             stopper.cancel()
-            await asyncio.gather(stopper, return_exceptions=True)
+            if idle is not None:
+                idle.cancel()
+            await asyncio.gather(stopper, *([idle] if idle is not None else []),
+                                 return_exceptions=True)
             for trainer in trainers():  # every step ends at its next unit, at once
                 trainer.request_stop()
             try:

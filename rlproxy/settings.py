@@ -412,6 +412,10 @@ class SessionSettings(Section):
     adapter_names: Literal["open", "fixed"] = Field(
         "open", description="open: a new adapter name is made on its first request; fixed: "
         "only --adapters and those on disk, any other name gets 404")
+    adapter_idle_s: float = Field(
+        1800.0, ge=0, description="a personal adapter without a request for this long is saved "
+        "(weights, optimizer, its sessions' records) and let go of; its next request brings it "
+        "back (0: kept loaded)")
 
     @field_validator("adapters")
     @classmethod

@@ -120,11 +120,13 @@ def test_an_adapter_comes_back_after_a_restart_with_its_sessions_and_weights(tmp
                                   extra_headers={"X-RL-Adapter": "alice",
                                                  "X-Session-Id": "open-1"})
     with ServerThread(settings, tiny_copy()) as s:
-        health = adapters(s.url)  # made at start-up: it has a folder
+        resting = adapters(s.url)  # on disk until its first request
         again, _ = greedy(s.client(), "m", {"X-RL-Adapter": "alice"})
+        health = adapters(s.url)
         pending = requests.get(s.url + "/v1/sessions/open-1",
                                headers={"X-RL-Adapter": "alice"})
-    assert health["adapters"]["alice"]["version"] >= 1
+    assert resting["resting"] == ["alice"] and resting["adapters"] == {}
+    assert health["adapters"]["alice"]["version"] >= 1 and health["resting"] == []
     assert again == pytest.approx(trained, abs=1e-4)
     assert pending.status_code == 200 and pending.json()["id"] == "open-1"
 
@@ -224,3 +226,33 @@ def test_each_adapter_reuses_its_own_prefix_kv_and_no_one_elses(tiny, tmp_path):
     assert cache["hits"] == 1 and cache["stores"] >= 3, cache
     # restored KV answers as prefilling it all did
     assert again[1] == scratch[1] and again[2] == pytest.approx(scratch[2], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_an_idle_adapter_is_let_go_of_and_its_next_request_brings_it_back(tmp_path):
+    from conftest import tiny_copy
+
+    settings = training_settings(tmp_path)
+    settings.trainer.resume = True
+    settings.sessions.adapter_idle_s = 1.0
+    with ServerThread(settings, tiny_copy()) as s:
+        c = s.client()
+        session(c, "m", "a-1", 1, {"X-RL-Adapter": "alice"})
+        wait_version(s.url, "alice", 1)
+        trained, _ = greedy(c, "m", {"X-RL-Adapter": "alice"})
+        c.chat.completions.create(model="m", messages=QUESTION, max_tokens=4,
+                                  extra_headers={"X-RL-Adapter": "alice",
+                                                 "X-Session-Id": "open-1"})
+        deadline = time.monotonic() + 30
+        while "alice" not in (h := adapters(s.url))["resting"]:
+            assert time.monotonic() < deadline, h
+            time.sleep(0.2)
+        assert h["adapters"] == {}
+        listed = [m.id for m in c.models.list().data]
+        again, _ = greedy(c, "m", {"X-RL-Adapter": "alice"})  # brought back from disk
+        back = adapters(s.url)
+        pending = requests.get(s.url + "/v1/sessions/open-1", headers={"X-RL-Adapter": "alice"})
+    assert listed[1:] == [f"{listed[0]}:alice"]  # still listed while it rests
+    assert back["adapters"]["alice"]["version"] >= 1
+    assert again == pytest.approx(trained, abs=1e-4)
+    assert pending.status_code == 200 and pending.json()["open"]

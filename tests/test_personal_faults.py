@@ -101,11 +101,14 @@ def test_a_kill_in_one_adapters_step_and_a_damaged_checkpoint_of_another_lose_no
     proc, url = serve(data, tmp_path, log)
     try:
         h = requests.get(url + "/healthz", timeout=10).json()
-        assert h["status"] == "ok" and set(h["adapters"]["adapters"]) == {"alice", "bob"}, h
+        assert h["status"] == "ok" and h["adapters"]["resting"] == ["alice", "bob"], h
+        acked["alice"].append(chat(url, "alice", "alice-2", "after the restart"))  # back
         wait_trained(alice, acked["alice"][0])  # the killed step's turn, on its retry
-        open_session = requests.get(url + "/v1/sessions/bob-open",
+        open_session = requests.get(url + "/v1/sessions/bob-open",  # brings bob back
                                     headers={"X-RL-Adapter": "bob"}, timeout=10)
         acked["bob"].append(chat(url, "bob", "bob-2", "after the restart"))
+        h = requests.get(url + "/healthz", timeout=10).json()
+        assert set(h["adapters"]["adapters"]) == {"alice", "bob"} and h["status"] == "ok", h
         acked[None].append(chat(url, None, "default-2", "after the restart"))
     finally:
         stop(proc)

@@ -69,7 +69,7 @@ async def parse_feedback(request: web.Request) -> FeedbackRequest:
 async def feedback(request: web.Request) -> web.Response:
     body = await parse_feedback(request)
     sid = body.session_id
-    store, scorer = find_session(request, sid)  # the adapter whose session it is
+    store, scorer = await find_session(request, sid)  # the adapter whose session it is
     uid = store.find_turn(sid, uid=body.turn_uid, index=body.turn_index, turn_id=body.turn_id,
                           step_index=body.step_index, last=body.turn == "last") \
         if store is not None else None

@@ -15,10 +15,11 @@ from rlproxy.appkeys import ADAPTERS, ADAPTERS_OFF, SCORER, SESSIONS
 from rlproxy.protocol import APIError, shown
 
 
-def learning_paths(request: web.Request) -> list[tuple]:
+async def learning_paths(request: web.Request) -> list[tuple]:
     """(session store, scorer) of the adapter X-RL-Adapter names; without the header, the
-    default adapter's, then every personal adapter's (where to look for a session: `find_session`
-    refuses an id more than one of them holds)."""
+    default adapter's, then every loaded personal adapter's (where to look for a session:
+    `find_session` refuses an id more than one of them holds). A named adapter resting on disk
+    is brought back (pipeline.py `Adapters`)."""
     app, name = request.app, adapter_header(request.headers)
     adapters = app.get(ADAPTERS)
     if name is None:
@@ -29,16 +30,19 @@ def learning_paths(request: web.Request) -> list[tuple]:
         raise APIError(400, f"X-RL-Adapter names '{name}', and this server has no personal "
                        f"adapters ({app.get(ADAPTERS_OFF)})", param="X-RL-Adapter",
                        code="adapters_off")
-    if (personal := adapters.find(name, "X-RL-Adapter")) is None:
+    personal = adapters.find(name, "X-RL-Adapter")
+    if personal is None and name in adapters.resting:
+        personal = await adapters.get(name, "X-RL-Adapter")
+    if personal is None:
         raise APIError(404, f"no adapter named '{name}' (it has had no request yet)",
                        param="X-RL-Adapter", code="adapter_not_found")
     return [(personal.pipeline.store, personal.pipeline.scorer)]
 
 
-def find_session(request: web.Request, sid: str):
+async def find_session(request: web.Request, sid: str):
     """(the store that holds session SID, its scorer), or (None, None). Session ids are the
     clients' own: one that two adapters hold is refused unless X-RL-Adapter says which."""
-    held = [(store, scorer) for store, scorer in learning_paths(request)
+    held = [(store, scorer) for store, scorer in await learning_paths(request)
             if store.find(sid) is not None]
     if len(held) > 1:
         raise APIError(409, f"session {shown(sid)} is held by more than one adapter: name one "
@@ -47,14 +51,14 @@ def find_session(request: web.Request, sid: str):
 
 
 async def list_sessions(request: web.Request) -> web.Response:
-    store = learning_paths(request)[0][0]
+    store = (await learning_paths(request))[0][0]
     data = [s.summary() for s in store.open.values()]
     data += [s.summary() for s in reversed(store.closed)]
     return json_response({"object": "list", "data": data})
 
 
 async def get_session(request: web.Request) -> web.Response:
-    store, _ = find_session(request, request.match_info["session_id"])
+    store, _ = await find_session(request, request.match_info["session_id"])
     session = store.find(request.match_info["session_id"]) if store is not None else None
     if session is None:
         raise APIError(404, f"no session {shown(request.match_info['session_id'])} (open or "
@@ -64,7 +68,7 @@ async def get_session(request: web.Request) -> web.Response:
 
 async def end_session(request: web.Request) -> web.Response:
     sid = request.match_info["session_id"]
-    store, _ = find_session(request, sid)
+    store, _ = await find_session(request, sid)
     written = store.end(sid, "ended") if store is not None else None
     if written is None:
         raise APIError(404, f"no open session {shown(sid)}", param="session_id",

@@ -220,7 +220,26 @@ async def serve_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api
         raise APIError(404, f"The model '{req.model}' does not exist", param="model",
                        code="model_not_found")
     personal = await personal_adapter(app, name, tags)
-    store = personal.pipeline.store if personal is not None else app[SESSIONS]
+    if personal is None:
+        async with one_turn(request, req, tags, api, thread_hint, name, None) as call:
+            yield call
+        return
+    personal.requests += 1  # its adapter is not let go of while it runs (pipeline.py)
+    personal.used = time.monotonic()
+    try:
+        async with one_turn(request, req, tags, api, thread_hint, name, personal) as call:
+            yield call
+    finally:
+        personal.requests -= 1
+        personal.used = time.monotonic()
+
+
+@asynccontextmanager
+async def one_turn(request: web.Request, req: ChatRequest, tags: TurnTags, api: str,
+                   thread_hint: str | None, name: ModelName, personal
+                   ) -> AsyncIterator[Call | Kept]:
+    """`serve_turn` once its adapter is known: a repeated X-Request-Id, or a new Call."""
+    store = personal.pipeline.store if personal is not None else request.app[SESSIONS]
     # Keyed per API: a retry comes back through the door it first used, in that door's shape.
     replay_key = f"{api}:{tags.request_id}" if tags.request_id and not tags.opt_out else None
     if replay_key is None:
@@ -334,12 +353,12 @@ async def personal_adapter(app: web.Application, name: ModelName, tags: TurnTags
         raise APIError(400, f"adapter '{wanted}' was asked for, and this server has no "
                        f"personal adapters ({app.get(ADAPTERS_OFF)})", param=param,
                        code="adapters_off")
-    if name.step is not None:
-        if (personal := app[ADAPTERS].find(wanted, param)) is None:
-            raise APIError(404, f"The model '{wanted}@{name.step}' does not exist: no adapter "
-                           f"named '{wanted}'", param=param, code="model_not_found")
-        return personal
-    return await app[ADAPTERS].get(wanted, param)
+    adapters = app[ADAPTERS]
+    if name.step is not None and adapters.find(wanted, param) is None and \
+            wanted not in adapters.resting:
+        raise APIError(404, f"The model '{wanted}@{name.step}' does not exist: no adapter "
+                       f"named '{wanted}'", param=param, code="model_not_found")
+    return await adapters.get(wanted, param)
 
 
 async def saved_checkpoint(app: web.Application, model: str | None, step: int | None,

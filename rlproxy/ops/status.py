@@ -151,6 +151,8 @@ def render(health: dict, overview: dict | None) -> str:
             lines.append(f"trainer   {'error: ' + t['error'] if t.get('error') else state.words}"
                          f"; {figures}")
     personal = (health.get("adapters") or {}).get("adapters") or {}
+    for name in (health.get("adapters") or {}).get("resting") or []:
+        lines.append(f"adapter   {name}: resting on disk (its next request brings it back)")
     for name, a in sorted(personal.items()):  # personal adapters: a line each
         at = a["trainer"]
         training = ("not training" if at is None else f"error: {at['error']}" if at["error"]
