@@ -20,7 +20,12 @@ Also the server's resident memory serving the live adapter, after each checkpoin
 named adapter shares the base's arrays: it should cost about its LoRA weights), and after the
 rounds (the mixed passes' side-by-side LoRA arrays).
 
+`--personal` measures the same on personal adapters instead (`MODEL:user1` .. `MODEL:user4`,
+pipeline.py `Adapters`: each a fresh LoRA of the model's layout, made by its first request), the
+path a team's adapters take.
+
     python bench/adapters.py [--model tiny|smollm2-135m-instruct] [--rounds 3] [--max-tokens 64]
+                             [--personal]
 """
 
 from __future__ import annotations
@@ -89,12 +94,18 @@ def main() -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--personal", action="store_true",
+                   help="personal adapters MODEL:user1..4 instead of checkpoints MODEL@1..4")
     p.add_argument("--out", type=Path, default=Path("bench/results/adapters.json"))
     a = p.parse_args()
     name = a.model
+
+    def named(step: int) -> str:
+        return f"{name}:user{step}" if a.personal else f"{name}@{step}"
+
     conditions = {"live x8": [name] * 8,
-                  "named 4x2": [f"{name}@{s}" for s in (1, 2, 3, 4) for _ in range(2)],
-                  "live x1": [name], "named x1": [f"{name}@1"]}
+                  "named 4x2": [named(s) for s in (1, 2, 3, 4) for _ in range(2)],
+                  "live x1": [name], "named x1": [named(1)]}
     runs: dict[str, list[dict]] = {c: [] for c in conditions}
     with tempfile.TemporaryDirectory(prefix="rlproxy-bench-adapters-") as tmp:
         data = Path(tmp) / "data"
@@ -104,7 +115,7 @@ def main() -> None:
             ask(server.url, name, 0, 4)
             rss = [proc_memory_mb(server.proc.pid)["rss_mb"]]
             for step in (1, 2, 3, 4):  # each checkpoint loaded once, before any round
-                ask(server.url, f"{name}@{step}", 0, 4)
+                ask(server.url, named(step), 0, 4)
                 rss.append(proc_memory_mb(server.proc.pid)["rss_mb"])
             for r in range(a.rounds):  # alternating: the machine's load hits each alike
                 for c, models in conditions.items():
@@ -120,7 +131,8 @@ def main() -> None:
     memory = {"rss_mb_live_then_each_load": rss[:-1], "rss_mb_after_rounds": rss[-1],
               "per_adapter_mb": [b - a for a, b in zip(rss[:-2], rss[1:-1])],
               "adapter_weights_mb": lora_mb}
-    result = {"model": a.model, "rounds": a.rounds, "max_tokens": a.max_tokens, "runs": runs,
+    result = {"model": a.model, "rounds": a.rounds, "max_tokens": a.max_tokens,
+              "named": "personal" if a.personal else "checkpoints", "runs": runs,
               "memory": memory,
               "median_tok_s": median, "ratios": ratios, "goals": GOALS,
               "met": {k: ratios[k] >= GOALS[k] for k in GOALS},

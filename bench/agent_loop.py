@@ -27,7 +27,11 @@ turn's system prompt and tools, and the longest prompt); peak RSS (/proc VmRSS s
 Servers run under an address-space limit (--server-memory-gb) so a runaway training step kills
 only its server, not a shared machine.
 
+`--adapter NAME` sends the training server's traffic to personal adapter NAME (X-RL-Adapter):
+the same figures for an adapter that learns from its own sessions, its KV in its own lineage.
+
     python bench/agent_loop.py [--quick] [--batch-size 1] [--serve-arg=--prompt-grad=none ...]
+                               [--adapter NAME]
                                [--out bench/results/agent_loop.json]
 """
 
@@ -83,6 +87,11 @@ class Server(Served):
             python_path=(root,), memory_gb=args.server_memory_gb, wait_s=None)
         self.client = OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
                              timeout=args.request_timeout)
+        # --adapter NAME: the training server's traffic goes to that personal adapter (its
+        # records in its own folder, its KV in a lineage of its own)
+        self.adapter = args.adapter if train else None
+        self.records = self.data_dir / "adapters" / self.adapter if self.adapter else \
+            self.data_dir
         self.train_batch = args.batch_size
         self.rss: list[tuple[float, float]] = []  # (seconds since start, MB)
         self.hwm_mb = 0.0  # VmHWM: the kernel's own peak, between samples too
@@ -91,6 +100,9 @@ class Server(Served):
     def trainer_idle(self) -> bool:
         """No released turn left untrained (or the trainer is gone)."""
         h = self.health(timeout_s=5)
+        if h is not None and self.adapter:
+            t = (h["adapters"]["adapters"].get(self.adapter) or {}).get("trainer") or {}
+            return not t.get("alive") or t.get("untrained", 0) < self.train_batch
         if h is None or not h["trainer"].get("enabled") or not h["trainer"].get("alive"):
             return True
         t, released = h["trainer"], h["scoring"].get("released", 0)
@@ -109,7 +121,7 @@ class Server(Served):
         if mem is not None:
             self.rss.append((time.time() - t0, mem["rss_mb"]))
             self.hwm_mb = max(self.hwm_mb, mem["hwm_mb"])
-        for line in read_jsonl(self.data_dir / "training.jsonl"):
+        for line in read_jsonl(self.records / "training.jsonl"):
             if line.get("kind") == "step":
                 self.step_seen.setdefault(line["step"], time.time())
 
@@ -123,7 +135,9 @@ def stream_turn(server: Server, messages: list[dict], tools: list[dict], headers
         stream = server.client.chat.completions.create(
             model="bench", messages=messages, tools=tools, max_tokens=max_tokens,
             temperature=1.0, seed=seed, logprobs=True, stream=True,
-            stream_options={"include_usage": True}, extra_headers=headers)
+            stream_options={"include_usage": True},
+            extra_headers={**headers, **({"X-RL-Adapter": server.adapter}
+                                         if server.adapter else {})})
         for chunk in stream:
             if chunk.usage is not None:
                 out["prompt_tokens"] = chunk.usage.prompt_tokens
@@ -193,9 +207,9 @@ def prefill_model(samples: list[dict]):
 def step_figures(on: Server, prefill) -> list[dict]:
     """Each optimizer step of the training server: its time (minus any freeze it spanned), its
     turns' lengths, and its time over a cold prefill of those turns."""
-    turns = {t["uid"]: t for t in read_jsonl(on.data_dir / "conversations.jsonl")}
+    turns = {t["uid"]: t for t in read_jsonl(on.records / "conversations.jsonl")}
     out = []
-    for line in read_jsonl(on.data_dir / "training.jsonl"):
+    for line in read_jsonl(on.records / "training.jsonl"):
         if line.get("kind") != "step":
             continue
         end = on.step_seen.get(line["step"], time.time())
@@ -276,9 +290,9 @@ def run(args: argparse.Namespace) -> dict:
         for s in (off, on):
             s.stop(timeout_s=30)  # a long step holds the shutdown: not our figure
     steps = step_figures(on, prefill_model(cold))
-    not_trained = [x for x in read_jsonl(on.data_dir / "training.jsonl")
+    not_trained = [x for x in read_jsonl(on.records / "training.jsonl")
                    if x.get("kind") in ("skipped", "quarantined")]
-    versions = sorted({v for t in read_jsonl(on.data_dir / "conversations.jsonl")
+    versions = sorted({v for t in read_jsonl(on.records / "conversations.jsonl")
                        for c in t["choices"] for v in c["adapter_versions"]})
     result = {
         **environment("tiny", load_before),
@@ -414,6 +428,8 @@ def main() -> None:
                         help="extra `rlproxy serve` flag for both servers, e.g. "
                         "--serve-arg=--kv-reuse-max-lag=2 (repeatable)")
     parser.add_argument("--keep-data", action="store_true", help="keep the data directories")
+    parser.add_argument("--adapter", help="the training server's traffic on this personal "
+                        "adapter (X-RL-Adapter) instead of the default one")
     parser.add_argument("--out", type=Path, default=Path("bench/results/agent_loop.json"))
     args = parser.parse_args()
     defaults = ({"sessions": 2, "turns": 3, "tools": 4, "train_wait": 20, "final_wait": 30}

@@ -9,8 +9,14 @@ place, in an order written out below rather than implied by the app's cleanup co
 each part starts from is read from the records once, by `recover` (recovery.py), after the
 trainer (which reads its own files) says which keys it has handled.
 
-Owns no behaviour of its own: the store, the scorer and the trainer are in sessions/, scoring/
-and training/; the engine and the model it is given are built by app.py.
+The default adapter has one such pipeline on the data dir; each personal adapter (`MODEL:NAME`,
+X-RL-Adapter) has one of its own on <data_dir>/adapters/NAME/, sharing the judges, the base
+weights and the engine's batch, its trainer taking steps in turn with the others (`Adapters`:
+made on first use, let go of when idle, made again from disk).
+
+Owns no behaviour of its own beyond that wiring and the personal adapters' lifecycle: the store,
+the scorer and the trainer are in sessions/, scoring/ and training/; the engine and the model it
+is given are built by app.py.
 """
 
 from __future__ import annotations

@@ -119,6 +119,13 @@ def test_an_adapter_comes_back_after_a_restart_with_its_sessions_and_weights(tmp
         c.chat.completions.create(model="m", messages=QUESTION, max_tokens=4,
                                   extra_headers={"X-RL-Adapter": "alice",
                                                  "X-Session-Id": "open-1"})
+    from rlproxy.cli import main  # its folder exports as any data dir does
+    out = tmp_path / "exported"
+    assert main(["export", "--data-dir", str(tmp_path / paths.ADAPTERS / "alice"), "--model",
+                 "tiny", "--format", "mlx", "--out", str(out)]) == 0
+    newest = sorted((tmp_path / paths.ADAPTERS / "alice" / paths.CHECKPOINTS).glob("step_*"))
+    assert (out / "adapters.safetensors").read_bytes() == (
+        newest[-1] / "adapters.safetensors").read_bytes()
     with ServerThread(settings, tiny_copy()) as s:
         resting = adapters(s.url)  # on disk until its first request
         again, _ = greedy(s.client(), "m", {"X-RL-Adapter": "alice"})
