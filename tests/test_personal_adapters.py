@@ -74,6 +74,16 @@ def test_each_adapter_learns_from_its_own_sessions_only(own, tmp_path):
         default_after, _ = greedy(c, "m")
         health = adapters(s.url)
         trainer = requests.get(s.url + "/healthz").json()["trainer"]
+        # the actions, on alice's adapter: never on the default's
+        as_alice = {"X-RL-Adapter": "alice"}
+        paused = requests.post(s.url + "/v1/training/pause", headers=as_alice).json()
+        paused_health = adapters(s.url)["adapters"]["alice"]["trainer"]["paused"]
+        default_paused = requests.get(s.url + "/healthz").json()["trainer"]["paused"]
+        requests.post(s.url + "/v1/training/resume", headers=as_alice).raise_for_status()
+        saved = requests.post(s.url + "/v1/checkpoints", headers=as_alice).json()
+        rolled = requests.post(s.url + "/v1/adapters/1/serve", headers=as_alice).json()
+        zipped = requests.get(s.url + "/ui/api/adapters/1.zip", headers=as_alice)
+        default_version = requests.get(s.url + "/healthz").json()["adapter_version"]
         metrics = requests.get(s.url + "/metrics").text
         from rlproxy.ops.status import render
         status = render(requests.get(s.url + "/healthz").json(), None)
@@ -82,6 +92,16 @@ def test_each_adapter_learns_from_its_own_sessions_only(own, tmp_path):
     assert alice["trainer"]["step"] >= 1 and trainer["step"] == 0
     assert set(health["adapters"]) == {"alice", "bob"}
     assert health["adapters"]["bob"]["version"] == 0
+    assert paused["paused"] and paused_health and not default_paused
+    assert saved["path"].startswith(str(tmp_path / paths.ADAPTERS / "alice"))
+    assert rolled["checkpoint_step"] == 1 and rolled["served_version"] == \
+        rolled["adapter_version"] > alice["version"]
+    assert rolled["checkpoint"].startswith(str(tmp_path / paths.ADAPTERS / "alice"))
+    assert default_version == 0 and zipped.status_code == 200
+    import io
+    import zipfile
+    assert "step_000001/adapters.safetensors" in zipfile.ZipFile(io.BytesIO(
+        zipped.content)).namelist()
     assert listed == [served, f"{served}:alice", f"{served}:bob"]
     assert 'rlproxy_personal_adapter_version{adapter="bob"} 0.0' in metrics
     version = re.search(r'rlproxy_personal_adapter_version\{adapter="alice"\} (\S+)', metrics)
@@ -183,10 +203,12 @@ def test_names_the_limit_and_fixed_names_are_refused_in_the_apis_shape(tiny, tmp
         named = requests.post(s.url + "/v1/feedback", json=body,
                               headers={"X-RL-Adapter": "alice"})
         pause = requests.post(s.url + "/v1/training/pause", headers={"X-RL-Adapter": "alice"})
+        zero = requests.post(s.url + "/v1/checkpoints", headers={"X-RL-Adapter": "nobody"})
     assert ambiguous.status_code == 409 and ambiguous.json()["error"]["code"] == \
         "ambiguous_session"
     assert named.status_code == 200, named.text
-    assert pause.status_code == 400 and pause.json()["error"]["param"] == "X-RL-Adapter"
+    assert pause.status_code == 409 and pause.json()["error"]["code"] == "training_off"
+    assert zero.status_code == 404 and zero.json()["error"]["code"] == "adapter_not_found"
     assert not (tmp_path / paths.ADAPTERS / "bob").exists()
     with ServerThread(make_settings(tmp_path / "fixed", adapters=["carol"],
                                     adapter_names="fixed"), tiny) as s:

@@ -8,6 +8,11 @@ them all. With the trainer running, a rollback is done by the trainer on its own
 arrays live there: `Trainer.rollback`), which publishes the checkpoint as a new adapter version
 and trains on from it. With training off (`--no-train`) the checkpoint's adapter goes to the
 engine directly. Either way the action is a line in training.jsonl.
+
+Sent with `X-RL-Adapter: NAME`, each action acts on that personal adapter (pipeline.py
+`Adapters`): its trainer, its checkpoints in <data_dir>/adapters/NAME/, its version in the engine
+(`Target`). Serving a checkpoint with training off is the default adapter's only: a personal
+adapter's kept checkpoint is served read-only as `MODEL:NAME@STEP`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import re
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -26,7 +32,7 @@ from aiohttp import web
 from rlproxy import paths
 from rlproxy.api.edge import json_response
 from rlproxy.api.tags import adapter_header
-from rlproxy.appkeys import ENGINE, MODEL, SETTINGS, STARTED, TRAINER
+from rlproxy.appkeys import ADAPTERS, ADAPTERS_OFF, ENGINE, MODEL, SETTINGS, STARTED, TRAINER
 from rlproxy.paths import complete_checkpoints, kept_checkpoint
 from rlproxy.protocol import APIError, shown
 from rlproxy.records import JsonlWriter, read_jsonl
@@ -34,8 +40,36 @@ from rlproxy.records import JsonlWriter, read_jsonl
 ROLLBACK_TIMEOUT_S = 300.0  # the trainer finishes the step in progress first
 
 
-def checkpoint_dir(app: web.Application) -> Path:
-    return app[SETTINGS].records.data_dir / paths.CHECKPOINTS
+@dataclass
+class Target:
+    """What an action acts on: the default adapter, or the personal adapter X-RL-Adapter
+    names."""
+    data_dir: Path
+    engine: object  # the engine, or the personal adapter's place in it (serving/personal.py)
+    trainer: object | None
+    personal: str | None = None
+
+
+async def target_of(request: web.Request) -> Target:
+    app, name = request.app, adapter_header(request.headers)
+    if name is None:
+        return Target(app[SETTINGS].records.data_dir, app[ENGINE], app.get(TRAINER))
+    adapters = app.get(ADAPTERS)
+    if adapters is None:
+        raise APIError(400, f"X-RL-Adapter names '{name}', and this server has no personal "
+                       f"adapters ({app.get(ADAPTERS_OFF)})", param="X-RL-Adapter",
+                       code="adapters_off")
+    personal = adapters.find(name, "X-RL-Adapter")
+    if personal is None and name in adapters.resting:  # brought back from disk
+        personal = await adapters.get(name, "X-RL-Adapter")
+    if personal is None:
+        raise APIError(404, f"no adapter named '{name}'", param="X-RL-Adapter",
+                       code="adapter_not_found")
+    return Target(personal.data_dir, personal.served, personal.pipeline.trainer, name)
+
+
+def checkpoint_dir(target: Target) -> Path:
+    return target.data_dir / paths.CHECKPOINTS
 
 
 def step_of(raw: str) -> int:
@@ -44,16 +78,16 @@ def step_of(raw: str) -> int:
     return int(raw)
 
 
-def find_checkpoint(app: web.Application, raw: str) -> Path:
+def find_checkpoint(target: Target, raw: str) -> Path:
     step = step_of(raw)
-    path = kept_checkpoint(checkpoint_dir(app), step)
+    path = kept_checkpoint(checkpoint_dir(target), step)
     if path is None:
-        raise not_kept(app, step)
+        raise not_kept(target, step)
     return path
 
 
-def not_kept(app: web.Application, step: int) -> APIError:
-    have = [p.name for p in complete_checkpoints(checkpoint_dir(app))]
+def not_kept(target: Target, step: int) -> APIError:
+    have = [p.name for p in complete_checkpoints(checkpoint_dir(target))]
     return APIError(404, f"no complete checkpoint for step {step} (kept: "
                     f"{', '.join(have) or 'none'}; --keep-checkpoints keeps more)", param="step",
                     code="checkpoint_not_found")
@@ -67,9 +101,9 @@ async def wait_served(engine, version: int, timeout_s: float = 30.0) -> None:
 
 
 async def serve_adapter(request: web.Request) -> web.Response:
-    app = request.app
-    path = find_checkpoint(app, request.match_info["step"])  # 400 or 404 first, as ever
-    engine, trainer = app[ENGINE], app.get(TRAINER)
+    app, target = request.app, await target_of(request)
+    path = find_checkpoint(target, request.match_info["step"])  # 400 or 404 first, as ever
+    engine, trainer = target.engine, target.trainer
     if trainer is not None:
         if not trainer.alive:
             raise APIError(503, f"the trainer is not running: {trainer.error}",
@@ -82,7 +116,7 @@ async def serve_adapter(request: web.Request) -> web.Response:
         try:  # the trainer finds and pins it again: no save prunes it before the load
             line = await trainer_rollback(trainer, step)
         except CheckpointGone:
-            raise not_kept(app, step) from None
+            raise not_kept(target, step) from None
         except RollbackSuperseded as e:  # a later request won: nothing to report here
             raise APIError(409, f"{e}; this request was not applied",
                            code="rollback_superseded") from None
@@ -94,10 +128,14 @@ async def serve_adapter(request: web.Request) -> web.Response:
                            code="learner_unavailable", headers={"Retry-After": "5"}) from None
         except Exception as e:  # e.g. a checkpoint of another LoRA layout: nothing changed
             raise unusable(path, e) from None
+    elif target.personal is not None:
+        raise APIError(409, f"training is off (--no-train): adapter {target.personal}'s "
+                       f"checkpoints are served read-only, as MODEL:{target.personal}@STEP",
+                       code="training_off")
     else:
         no_local_model(app)
         try:
-            line = publish_checkpoint(app, path)
+            line = publish_checkpoint(app, target, path)
         except Exception as e:
             raise unusable(path, e) from None
     await wait_served(engine, line["adapter_version"])
@@ -134,7 +172,7 @@ def unusable(path: Path, e: Exception) -> APIError:
                     f"{type(e).__name__}: {e}", code="checkpoint_unusable")
 
 
-def publish_checkpoint(app: web.Application, path: Path) -> dict:
+def publish_checkpoint(app: web.Application, target: Target, path: Path) -> dict:
     """Training is off: hand the checkpoint's adapter to the engine as a new version. Runs on
     the event loop's thread, where the models were loaded (a small adapter loads in ms)."""
     import mlx.core as mx
@@ -151,7 +189,7 @@ def publish_checkpoint(app: web.Application, path: Path) -> dict:
     state = json.loads((path / paths.TRAINER_STATE).read_text())
     # the handler waits for it before answering; above every version recorded, so a restarted
     # server (its engine back at 0) never reuses one that turns and steps already carry
-    version = max(engine.adapter_version, recorded_version(app)) + 1
+    version = max(engine.adapter_version, recorded_version(target)) + 1
     engine.publish_adapter(weights, version)
     line = {"kind": "rollback", "step": state["step"], "adapter_version": version,
             "checkpoint": str(path), "checkpoint_step": state["step"],
@@ -164,11 +202,10 @@ def publish_checkpoint(app: web.Application, path: Path) -> dict:
     return line
 
 
-def recorded_version(app: web.Application) -> int:
+def recorded_version(target: Target) -> int:
     """The highest adapter version training.jsonl and the checkpoints name (0: none)."""
-    data_dir = app[SETTINGS].records.data_dir
-    versions = [ln.get("adapter_version") for ln in read_jsonl(data_dir / paths.TRAINING)]
-    for path in complete_checkpoints(checkpoint_dir(app)):
+    versions = [ln.get("adapter_version") for ln in read_jsonl(target.data_dir / paths.TRAINING)]
+    for path in complete_checkpoints(checkpoint_dir(target)):
         try:
             versions.append(json.loads((path / paths.TRAINER_STATE).read_text())[
                 "adapter_version"])
@@ -181,8 +218,11 @@ async def save_checkpoint(request: web.Request) -> web.Response:
     """A checkpoint of the adapter served now, written on demand (`rlproxy export` against a
     running server, the dashboard's button): the save interval does not decide when a user
     can take their adapter. With training off, the checkpoint already served is named."""
-    app = request.app
-    engine, trainer = app[ENGINE], app.get(TRAINER)
+    app, target = request.app, await target_of(request)
+    engine, trainer = target.engine, target.trainer
+    if trainer is None and target.personal is not None:
+        raise APIError(409, "training is off (--no-train): a personal adapter serves the base "
+                       "model, nothing to save", code="nothing_trained")
     if trainer is None:
         path = served_checkpoint(app)
         if path is None:
@@ -233,8 +273,8 @@ def read_state(path: Path) -> dict:
     return state if isinstance(state, dict) else {}
 
 
-def the_trainer(app: web.Application):
-    trainer = app.get(TRAINER)
+async def the_trainer(request: web.Request):
+    trainer = (await target_of(request)).trainer
     if trainer is None:
         raise APIError(409, "training is off (--no-train): there is nothing to pause or resume",
                        code="training_off")
@@ -242,20 +282,20 @@ def the_trainer(app: web.Application):
 
 
 async def pause_training(request: web.Request) -> web.Response:
-    trainer = the_trainer(request.app)
+    trainer = await the_trainer(request)
     await asyncio.to_thread(trainer.pause)  # its line is fsynced: not on the event loop
     return json_response({"object": "training", "paused": True, "step": trainer.step})
 
 
 async def resume_training(request: web.Request) -> web.Response:
-    trainer = the_trainer(request.app)
+    trainer = await the_trainer(request)
     await asyncio.to_thread(trainer.unpause)
     return json_response({"object": "training", "paused": False, "step": trainer.step})
 
 
 async def download(request: web.Request) -> web.Response:
     """A checkpoint as a .zip: the adapter in mlx-lm's format plus the trainer's state."""
-    path = find_checkpoint(request.app, request.match_info["step"])
+    path = find_checkpoint(await target_of(request), request.match_info["step"])
 
     def pack() -> bytes:
         buf = io.BytesIO()
@@ -287,7 +327,7 @@ async def download_peft(request: web.Request) -> web.Response:
     from rlproxy.training.export import ExportError, base_name, check_peft_names
 
     app = request.app
-    path = find_checkpoint(app, request.match_info["step"])
+    path = find_checkpoint(await target_of(request), request.match_info["step"])
     loaded = app[MODEL]
     try:
         weights, lora_config = peft.read_adapter(path)
@@ -322,26 +362,12 @@ async def download_peft(request: web.Request) -> web.Response:
         "Content-Disposition": f'attachment; filename="rlproxy-adapter-{path.name}-peft.zip"'})
 
 
-def default_adapter_only(handler):
-    """The actions act on the default adapter: a request that names a personal one (X-RL-
-    Adapter) is refused, never applied to the default instead."""
-    async def guarded(request: web.Request) -> web.Response:
-        if adapter_header(request.headers) is not None:
-            raise APIError(400, "the actions (serve a checkpoint, pause, resume, save, "
-                           "download) act on the default adapter; a personal adapter's are "
-                           "not offered yet", param="X-RL-Adapter",
-                           code="unsupported_for_adapter")
-        return await handler(request)
-    return guarded
-
-
 def add_routes(app: web.Application) -> None:
     for prefix in ("/v1", "/ui/api"):  # the API key, or the dashboard's cookie
-        app.router.add_post(prefix + "/adapters/{step}/serve", default_adapter_only(
-            serve_adapter))
-        app.router.add_post(prefix + "/training/pause", default_adapter_only(pause_training))
-        app.router.add_post(prefix + "/training/resume", default_adapter_only(resume_training))
-        app.router.add_post(prefix + "/checkpoints", default_adapter_only(save_checkpoint))
+        app.router.add_post(prefix + "/adapters/{step}/serve", serve_adapter)
+        app.router.add_post(prefix + "/training/pause", pause_training)
+        app.router.add_post(prefix + "/training/resume", resume_training)
+        app.router.add_post(prefix + "/checkpoints", save_checkpoint)
     # before the .zip route, whose {step} would take "3.peft" (and answer 400)
-    app.router.add_get("/ui/api/adapters/{step}.peft.zip", default_adapter_only(download_peft))
-    app.router.add_get("/ui/api/adapters/{step}.zip", default_adapter_only(download))
+    app.router.add_get("/ui/api/adapters/{step}.peft.zip", download_peft)
+    app.router.add_get("/ui/api/adapters/{step}.zip", download)
