@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -46,7 +47,8 @@ from rlproxy.mlx_threads import Worker
 from rlproxy.protocol import APIError
 from rlproxy.serving.personal import PersonalAdapter, training_model
 from rlproxy.settings import Settings, adapter_name
-from rlproxy.paths import ADAPTERS as ADAPTERS_DIR, RANK0_LOG
+from rlproxy.paths import ADAPTERS as ADAPTERS_DIR, CHECKPOINTS, RANK0_LOG, TRAINER_STATE, \
+    complete_checkpoints
 from rlproxy.compaction import compact
 from rlproxy.recovery import recover, trainer_start
 from rlproxy.training import distributed
@@ -363,7 +365,12 @@ class Adapters:
 
         def build() -> Pipeline:
             data_dir.mkdir(parents=True, exist_ok=True)
-            served.publish_adapter({}, 0)  # the base until its trainer publishes or resumes
+            newest = complete_checkpoints(data_dir / CHECKPOINTS)[-1:]
+            if newest and not settings.trainer.train:  # no trainer to resume: served as is
+                state = json.loads((newest[0] / TRAINER_STATE).read_text())
+                served.publish_saved(newest[0], int(state.get("adapter_version", 0)))
+            else:  # the base until its trainer publishes or resumes
+                served.publish_adapter({}, 0)
             return build_pipeline(settings, self.model, self.engine, shared=self.default,
                                   adapter=served, turns=self.turns)
 

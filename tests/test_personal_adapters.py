@@ -154,6 +154,11 @@ def test_an_adapter_comes_back_after_a_restart_with_its_sessions_and_weights(tmp
         health = adapters(s.url)
         pending = requests.get(s.url + "/v1/sessions/open-1",
                                headers={"X-RL-Adapter": "alice"})
+    off = training_settings(tmp_path)  # training off: it serves its newest checkpoint
+    off.trainer.train = False
+    with ServerThread(off, tiny_copy()) as s:
+        frozen, _ = greedy(s.client(), "m", {"X-RL-Adapter": "alice"})
+    assert frozen == pytest.approx(trained, abs=1e-4)
     assert resting["resting"] == ["alice"] and resting["adapters"] == {}
     assert health["adapters"]["alice"]["version"] >= 1 and health["resting"] == []
     assert again == pytest.approx(trained, abs=1e-4)

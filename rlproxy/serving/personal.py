@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from rlproxy.kv.blobs import adapter_fingerprint
-from rlproxy.serving.model import lora_model, serve_lora_in_one_step
+from rlproxy.serving.model import lora_model, saved_adapter_model, serve_lora_in_one_step
 
 
 class PersonalLineage:
@@ -53,6 +53,14 @@ class PersonalAdapter:
         serve_lora_in_one_step(model)  # a lone stream on it decodes with its own layers
         model.eval()
         mx.eval(model.parameters())
+        self._serve(model, version)
+
+    def publish_saved(self, path, version: int) -> None:
+        """Serve the adapter saved at PATH (a checkpoint: with training off, its newest) as
+        VERSION; ValueError for one that does not fit the model."""
+        self._serve(saved_adapter_model(self.loaded, path), version)
+
+    def _serve(self, model: nn.Module, version: int) -> None:
         fingerprint = adapter_fingerprint(model) if self.prefix_cache is not None else None
         self.engine.add_adapter(self.name, model, version, fingerprint)
         self.adapter_version = version
