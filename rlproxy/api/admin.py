@@ -65,6 +65,7 @@ async def target_of(request: web.Request) -> Target:
     if personal is None:
         raise APIError(404, f"no adapter named '{name}'", param="X-RL-Adapter",
                        code="adapter_not_found")
+    personal.used = time.monotonic()  # an action counts as use: not let go of meanwhile
     return Target(personal.data_dir, personal.served, personal.pipeline.trainer, name)
 
 

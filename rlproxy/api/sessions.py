@@ -6,6 +6,7 @@ personal adapters' stores too)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiohttp import web
 
@@ -36,6 +37,7 @@ async def learning_paths(request: web.Request) -> list[tuple]:
     if personal is None:
         raise APIError(404, f"no adapter named '{name}' (it has had no request yet)",
                        param="X-RL-Adapter", code="adapter_not_found")
+    personal.used = time.monotonic()  # a lookup or feedback counts as use: not let go of now
     return [(personal.pipeline.store, personal.pipeline.scorer)]
 
 
