@@ -126,6 +126,17 @@ def test_each_adapter_learns_from_its_own_sessions_only(own, tmp_path):
     assert versions["a-1"] == {0} and min(versions["a-3"]) >= 1
 
 
+def alice_trains_and_leaves_a_session_open(c, url: str) -> list[float]:
+    """alice's session trains her a step; then one turn of session open-1, left open: her
+    greedy log-probs after that step."""
+    session(c, "m", "a-1", 1, {"X-RL-Adapter": "alice"})
+    wait_version(url, "alice", 1)
+    trained, _ = greedy(c, "m", {"X-RL-Adapter": "alice"})
+    c.chat.completions.create(model="m", messages=QUESTION, max_tokens=4,
+                              extra_headers={"X-RL-Adapter": "alice", "X-Session-Id": "open-1"})
+    return trained
+
+
 @pytest.mark.slow
 def test_an_adapter_comes_back_after_a_restart_with_its_sessions_and_weights(tmp_path):
     from conftest import tiny_copy
@@ -134,12 +145,7 @@ def test_an_adapter_comes_back_after_a_restart_with_its_sessions_and_weights(tmp
     settings.trainer.resume = True  # a restart serves the last checkpoint, as by default
     with ServerThread(settings, tiny_copy()) as s:
         c = s.client()
-        session(c, "m", "a-1", 1, {"X-RL-Adapter": "alice"})
-        wait_version(s.url, "alice", 1)
-        trained, _ = greedy(c, "m", {"X-RL-Adapter": "alice"})
-        c.chat.completions.create(model="m", messages=QUESTION, max_tokens=4,
-                                  extra_headers={"X-RL-Adapter": "alice",
-                                                 "X-Session-Id": "open-1"})
+        trained = alice_trains_and_leaves_a_session_open(c, s.url)
     from rlproxy.cli import main  # its folder exports as any data dir does
     out = tmp_path / "exported"
     assert main(["export", "--data-dir", str(tmp_path / paths.ADAPTERS / "alice"), "--model",
@@ -273,12 +279,7 @@ def test_an_idle_adapter_is_let_go_of_and_its_next_request_brings_it_back(tmp_pa
     settings.sessions.adapter_idle_s = 1.0
     with ServerThread(settings, tiny_copy()) as s:
         c = s.client()
-        session(c, "m", "a-1", 1, {"X-RL-Adapter": "alice"})
-        wait_version(s.url, "alice", 1)
-        trained, _ = greedy(c, "m", {"X-RL-Adapter": "alice"})
-        c.chat.completions.create(model="m", messages=QUESTION, max_tokens=4,
-                                  extra_headers={"X-RL-Adapter": "alice",
-                                                 "X-Session-Id": "open-1"})
+        trained = alice_trains_and_leaves_a_session_open(c, s.url)
         deadline = time.monotonic() + 30
         while "alice" not in (h := adapters(s.url))["resting"]:
             assert time.monotonic() < deadline, h
