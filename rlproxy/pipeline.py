@@ -300,6 +300,9 @@ class Adapters:
         # on disk, not loaded: made by an earlier run and not asked for since this one
         # started, or let go of after --adapter-idle-s; the next request brings it back
         self.resting: set[str] = set()
+        # being let go of: its pipeline still stopping (files being written); a request for it
+        # waits for that before making it again on the same folder
+        self.stopping: dict[str, asyncio.Future] = {}
         self.root = settings.records.data_dir / ADAPTERS_DIR
         self._worker: Worker | None = None
 
@@ -317,6 +320,10 @@ class Adapters:
                             path)
         return names
 
+    def on_disk_only(self, name: str) -> bool:
+        """NAME rests on disk, or is being let go of: a request for it makes it again."""
+        return name in self.resting or name in self.stopping
+
     def find(self, name: str, param: str) -> Personal | None:
         """NAME's adapter if it is made (None), without making it; 503 if it failed."""
         if name in self.failed:
@@ -329,13 +336,15 @@ class Adapters:
         --max-adapters (PARAM: where the request named it)."""
         if (personal := self.find(name, param)) is not None:
             return personal
+        if name in self.stopping:
+            await asyncio.shield(self.stopping[name])
         if name not in self.making and name not in self.resting:
             s = self.settings.sessions
             if s.adapter_names == "fixed":
                 raise APIError(404, f"no adapter named '{name}' (--adapter-names fixed)",
                                param=param, code="adapter_not_found")
             if len(self.by_name) + len(self.making) + len(self.failed) + len(
-                    self.resting) >= s.max_adapters:
+                    self.resting) + len(self.stopping) >= s.max_adapters:
                 raise APIError(403, f"cannot make adapter '{name}': --max-adapters "
                                f"{s.max_adapters} exist already", param=param,
                                code="adapter_limit")
@@ -405,14 +414,19 @@ class Adapters:
             if personal.requests or now - personal.used < idle_s:
                 continue
             del self.by_name[personal.name]  # no request finds it from here on
-            self.resting.add(personal.name)
+            stopped = self.stopping[personal.name] = \
+                asyncio.get_running_loop().create_future()
             if personal.pipeline.trainer is not None:
                 personal.pipeline.trainer.request_stop()
             try:
                 await stop(personal.running)
             except Exception:
                 log.exception("adapter %s did not stop cleanly", personal.name)
-            personal.served.drop()
+            finally:
+                personal.served.drop()
+                self.resting.add(personal.name)
+                del self.stopping[personal.name]
+                stopped.set_result(None)
             log.info("adapter %s: idle for %.0f s, saved and let go of (its next request "
                      "brings it back)", personal.name, now - personal.used)
 

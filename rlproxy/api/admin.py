@@ -60,7 +60,7 @@ async def target_of(request: web.Request) -> Target:
                        f"adapters ({app.get(ADAPTERS_OFF)})", param="X-RL-Adapter",
                        code="adapters_off")
     personal = adapters.find(name, "X-RL-Adapter")
-    if personal is None and name in adapters.resting:  # brought back from disk
+    if personal is None and adapters.on_disk_only(name):  # brought back from disk
         personal = await adapters.get(name, "X-RL-Adapter")
     if personal is None:
         raise APIError(404, f"no adapter named '{name}'", param="X-RL-Adapter",

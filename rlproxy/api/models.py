@@ -36,7 +36,8 @@ def model_card(app: web.Application, name: str) -> dict:
 async def list_models(request: web.Request) -> web.Response:
     app = request.app
     names = served_names(app)
-    adapters = sorted({*app[ADAPTERS].by_name, *app[ADAPTERS].resting}) \
+    adapters = sorted({*app[ADAPTERS].by_name, *app[ADAPTERS].resting,
+                       *app[ADAPTERS].stopping}) \
         if ADAPTERS in app and names else []
     data = [model_card(app, name) for name in names + [f"{names[0]}:{a}" for a in adapters]]
     # has_more/first_id/last_id: Anthropic's page fields (one page holds every model).
@@ -73,6 +74,6 @@ def adapter_known(app: web.Application, adapter: str) -> bool:
     if adapters is None:
         return False
     s = app[SETTINGS].sessions
-    return adapter in adapters.by_name or adapter in adapters.resting or (
-        s.adapter_names == "open"
-        and len(adapters.by_name) + len(adapters.resting) < s.max_adapters)
+    return adapter in adapters.by_name or adapters.on_disk_only(adapter) or (
+        s.adapter_names == "open" and len(adapters.by_name) + len(adapters.resting)
+        + len(adapters.stopping) < s.max_adapters)

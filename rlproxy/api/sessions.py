@@ -32,7 +32,7 @@ async def learning_paths(request: web.Request) -> list[tuple]:
                        f"adapters ({app.get(ADAPTERS_OFF)})", param="X-RL-Adapter",
                        code="adapters_off")
     personal = adapters.find(name, "X-RL-Adapter")
-    if personal is None and name in adapters.resting:
+    if personal is None and adapters.on_disk_only(name):
         personal = await adapters.get(name, "X-RL-Adapter")
     if personal is None:
         raise APIError(404, f"no adapter named '{name}' (it has had no request yet)",

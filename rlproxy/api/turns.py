@@ -355,7 +355,7 @@ async def personal_adapter(app: web.Application, name: ModelName, tags: TurnTags
                        code="adapters_off")
     adapters = app[ADAPTERS]
     if name.step is not None and adapters.find(wanted, param) is None and \
-            wanted not in adapters.resting:
+            not adapters.on_disk_only(wanted):
         raise APIError(404, f"The model '{wanted}@{name.step}' does not exist: no adapter "
                        f"named '{wanted}'", param=param, code="model_not_found")
     return await adapters.get(wanted, param)
