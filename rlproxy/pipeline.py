@@ -411,24 +411,30 @@ class Adapters:
             return
         now = time.monotonic()
         for personal in list(self.by_name.values()):
-            if personal.requests or now - personal.used < idle_s:
+            trainer = personal.pipeline.trainer
+            if personal.requests or now - personal.used < idle_s or (
+                    trainer is not None and trainer.paused):  # a pause lives in memory only
                 continue
             del self.by_name[personal.name]  # no request finds it from here on
-            stopped = self.stopping[personal.name] = \
-                asyncio.get_running_loop().create_future()
-            if personal.pipeline.trainer is not None:
-                personal.pipeline.trainer.request_stop()
-            try:
-                await stop(personal.running)
-            except Exception:
-                log.exception("adapter %s did not stop cleanly", personal.name)
-            finally:
-                personal.served.drop()
-                self.resting.add(personal.name)
-                del self.stopping[personal.name]
-                stopped.set_result(None)
+            if trainer is not None:
+                trainer.request_stop()
+            # a task of its own: a shutdown that cancels this sweep does not cut the stop short
+            # (the trainer's last save, the scorer's last lines); `close` waits for it
+            letting_go = self.stopping[personal.name] = asyncio.ensure_future(
+                self._let_go(personal))
+            await asyncio.shield(letting_go)
             log.info("adapter %s: idle for %.0f s, saved and let go of (its next request "
                      "brings it back)", personal.name, now - personal.used)
+
+    async def _let_go(self, personal: Personal) -> None:
+        try:
+            await stop(personal.running)
+        except Exception:
+            log.exception("adapter %s did not stop cleanly", personal.name)
+        finally:
+            personal.served.drop()
+            self.resting.add(personal.name)
+            del self.stopping[personal.name]
 
     def trainers(self) -> list[Trainer]:
         return [a.pipeline.trainer for a in self.by_name.values()
@@ -437,9 +443,9 @@ class Adapters:
     async def close(self) -> None:
         """Every adapter stopped (the makings under way first), each on its own: one that
         fails to stop does not keep the others running."""
-        for making in list(self.making.values()):
+        for pending in [*self.making.values(), *self.stopping.values()]:
             with contextlib.suppress(BaseException):
-                await making
+                await pending
         for trainer in self.trainers():  # all at once: none waits for another's turn
             trainer.request_stop()
         for personal in list(self.by_name.values()):

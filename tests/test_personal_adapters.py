@@ -289,7 +289,12 @@ def test_an_idle_adapter_is_let_go_of_and_its_next_request_brings_it_back(tmp_pa
         again, _ = greedy(c, "m", {"X-RL-Adapter": "alice"})  # brought back from disk
         back = adapters(s.url)
         pending = requests.get(s.url + "/v1/sessions/open-1", headers={"X-RL-Adapter": "alice"})
+        # a paused adapter is kept loaded: its pause lives in its trainer, not on disk
+        requests.post(s.url + "/v1/training/pause", headers={"X-RL-Adapter": "alice"})
+        time.sleep(2.5)
+        paused = adapters(s.url)
     assert listed[1:] == [f"{listed[0]}:alice"]  # still listed while it rests
     assert back["adapters"]["alice"]["version"] >= 1
     assert again == pytest.approx(trained, abs=1e-4)
     assert pending.status_code == 200 and pending.json()["open"]
+    assert paused["resting"] == [] and paused["adapters"]["alice"]["trainer"]["paused"]

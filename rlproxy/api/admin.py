@@ -222,8 +222,9 @@ async def save_checkpoint(request: web.Request) -> web.Response:
     app, target = request.app, await target_of(request)
     engine, trainer = target.engine, target.trainer
     if trainer is None and target.personal is not None:
-        raise APIError(409, "training is off (--no-train): a personal adapter serves the base "
-                       "model, nothing to save", code="nothing_trained")
+        raise APIError(409, "training is off (--no-train): a personal adapter serves its newest "
+                       "checkpoint as it is (or the base), nothing new to save",
+                       code="nothing_trained")
     if trainer is None:
         path = served_checkpoint(app)
         if path is None:

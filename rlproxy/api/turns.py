@@ -341,7 +341,7 @@ def model_name(model: str | None, served: list[str]) -> ModelName:
 async def personal_adapter(app: web.Application, name: ModelName, tags: TurnTags):
     """The personal adapter a request names (`MODEL:NAME` or X-RL-Adapter), made on its first
     request (pipeline.py `Adapters`); None for the default adapter. `MODEL:NAME@STEP` only
-    reads a checkpoint: it makes no adapter."""
+    reads a checkpoint: it makes no new adapter (one resting on disk is made again)."""
     if name.adapter and tags.adapter and name.adapter != tags.adapter:
         raise APIError(400, f"the model names adapter '{name.adapter}' and X-RL-Adapter "
                        f"'{tags.adapter}'", param="model")

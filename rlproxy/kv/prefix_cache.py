@@ -141,6 +141,8 @@ class PrefixCache:
         """VERSION, about to be published, is not a training step from the adapter served now
         (a rollback to an old checkpoint): KV from the versions before it must not be reused
         under it. Any thread; call it before publishing."""
+        if adapter is not None and adapter not in self._lineages:
+            self._lineages[adapter] = self.lineage(adapter)
         self.lineage(adapter).reset(version)
 
     def put(self, tokens: list[int], cache: list, ends: list[int],
