@@ -325,7 +325,7 @@ class Adapters:
         return name in self.resting or name in self.stopping
 
     def find(self, name: str, param: str) -> Personal | None:
-        """NAME's adapter if it is made (None), without making it; 503 if it failed."""
+        """NAME's adapter if it is made, else None, without making it; 503 if it failed."""
         if name in self.failed:
             raise APIError(503, f"adapter '{name}' could not be started: {self.failed[name]}",
                            type="server_error", param=param, code="adapter_unavailable")
@@ -343,8 +343,8 @@ class Adapters:
             if s.adapter_names == "fixed":
                 raise APIError(404, f"no adapter named '{name}' (--adapter-names fixed)",
                                param=param, code="adapter_not_found")
-            if len(self.by_name) + len(self.making) + len(self.failed) + len(
-                    self.resting) + len(self.stopping) >= s.max_adapters:
+            known = {*self.by_name, *self.making, *self.failed, *self.resting, *self.stopping}
+            if len(known) >= s.max_adapters:  # a name being made again counts once
                 raise APIError(403, f"cannot make adapter '{name}': --max-adapters "
                                f"{s.max_adapters} exist already", param=param,
                                code="adapter_limit")

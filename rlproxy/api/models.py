@@ -74,6 +74,7 @@ def adapter_known(app: web.Application, adapter: str) -> bool:
     if adapters is None:
         return False
     s = app[SETTINGS].sessions
-    return adapter in adapters.by_name or adapters.on_disk_only(adapter) or (
-        s.adapter_names == "open" and len(adapters.by_name) + len(adapters.resting)
-        + len(adapters.stopping) < s.max_adapters)
+    known = {*adapters.by_name, *adapters.making, *adapters.failed, *adapters.resting,
+             *adapters.stopping}  # as `Adapters.get` counts them against the limit
+    return adapter in known and adapter not in adapters.failed or (
+        s.adapter_names == "open" and len(known) < s.max_adapters)
